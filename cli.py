@@ -1,0 +1,197 @@
+"""The ``rallyrl`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="rallyrl",
+    help="Multi-turn, tool-calling rollouts and RL for language-model agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "assets" / "tiny-calc"
+
+
+class UserError(Exception):
+    """Bad input from the command line: printed without a stack trace, exit code 2."""
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def _resolve_model(model: Path | None) -> Path:
+    if model is not None:
+        if not (model / "config.json").is_file():
+            raise UserError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+        return model
+    if (EMBEDDED_MODEL / "config.json").is_file():
+        return EMBEDDED_MODEL
+    raise UserError(
+        f"no embedded model at {EMBEDDED_MODEL}; pass --model DIR "
+        "(a local Hugging Face causal-LM directory; `rallyrl new-model DIR` makes a tiny random one)"
+    )
+
+
+@app.command()
+def rollout(
+    task: str = typer.Option(None, help="Synthetic task to generate prompts for (default: calc)."),
+    data: Path = typer.Option(None, help="Dataset file (.jsonl, .json or .parquet; rallyrl or verl layout)."),
+    num_prompts: int = typer.Option(None, help="Prompts to use (default: 64 for a task, all for --data)."),
+    samples: int = typer.Option(1, "-n", "--samples", help="Samples per prompt."),
+    model: Path = typer.Option(None, help="Local Hugging Face model directory (default: the embedded model)."),
+    tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
+    out: Path = typer.Option(Path("rollouts.jsonl"), help="Output JSONL, one trajectory per line."),
+    max_concurrency: int = typer.Option(64, help="Requests in flight at once."),
+    max_turns: int = typer.Option(8, help="Most assistant turns per request."),
+    max_new_tokens: int = typer.Option(256, help="Most tokens per assistant turn."),
+    max_model_len: int = typer.Option(2048, help="Most tokens per conversation."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling cut."),
+    seed: int = typer.Option(0, help="Seed for the task's prompts and for sampling."),
+    device: str = typer.Option("auto", help='"auto", "cpu" or "cuda".'),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Roll out prompts through the embedded engine, with tool calls, and write trajectories to JSONL."""
+    from data.schema import RecordError
+    from rollout.engines.base import EngineError
+    from rollout.tokens import TemplateError
+    from tools.registry import ToolConfigError
+
+    try:
+        if task is not None and data is not None:
+            raise UserError("give --task or --data, not both")
+        model_dir = _resolve_model(model)
+        records = _load_prompts(task, data, num_prompts, seed)
+        from rollout.loop import RolloutConfig  # heavy imports only when the command runs
+
+        config = RolloutConfig(
+            max_turns=max_turns,
+            max_new_tokens=max_new_tokens,
+            max_model_len=max_model_len,
+            temperature=temperature,
+            top_p=top_p,
+        )
+        result = asyncio.run(
+            _local_rollout(
+                model_dir,
+                records,
+                samples=samples,
+                tools_path=tools,
+                config=config,
+                out_path=out,
+                max_concurrency=max_concurrency,
+                seed=seed,
+                device=device,
+                progress=progress,
+            )
+        )
+    except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(result.summary.table())
+    console.print(f"wrote {len(result.requests)} trajectories to {out}")
+
+
+async def _local_rollout(
+    model_dir: Path,
+    records,
+    *,
+    samples: int,
+    tools_path: Path | None,
+    config,
+    out_path: Path,
+    max_concurrency: int,
+    seed: int,
+    device: str,
+    progress: bool,
+):
+    """Embedded engine + chat tokenizer + tools + runner, wired for one rollout."""
+    from transformers import AutoTokenizer
+
+    from rollout.engines.local import LocalEngine, LocalEngineConfig
+    from rollout.runner import RolloutRunner
+    from rollout.tokens import ChatTokenizer
+    from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
+
+    tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    chat = ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
+    engine_config = LocalEngineConfig(
+        max_batch_size=max(1, max_concurrency), max_model_len=config.max_model_len, device=device, seed=seed
+    )
+    async with LocalEngine.from_pretrained(model_dir, engine_config) as engine:
+        runner = RolloutRunner(
+            engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress, console=console
+        )
+        return await runner.run(records, samples, out_path)
+
+
+def _load_prompts(task: str | None, data: Path | None, num_prompts: int | None, seed: int):
+    from data.schema import load_records
+    from data.synthetic import make_task
+
+    if num_prompts is not None and num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if data is not None:
+        records = load_records(data)
+        if not records:
+            raise UserError(f"{data}: no records")
+        return records[:num_prompts] if num_prompts else records
+    return make_task(task or "calc", num_prompts or 64, seed)
+
+
+@app.command("new-model")
+def new_model(
+    directory: Path = typer.Argument(..., help="Where to write the model and tokenizer."),
+    hidden_size: int = typer.Option(128, help="Hidden size."),
+    layers: int = typer.Option(4, help="Decoder layers."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    kv_heads: int = typer.Option(2, help="Key/value heads."),
+    intermediate_size: int = typer.Option(384, help="MLP size."),
+    seed: int = typer.Option(0, help="Initialisation seed."),
+) -> None:
+    """Write a randomly initialised tiny Qwen2 model with the character tokenizer (no download)."""
+    from data.tiny_model import TinyModelConfig, save_tiny_model
+
+    config = TinyModelConfig(
+        hidden_size=hidden_size,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        seed=seed,
+    )
+    path = save_tiny_model(directory, config)
+    console.print(f"wrote a random tiny Qwen2 model to {path}")
+
+
+@app.command("check")
+def check(file: Path = typer.Argument(..., help="A rollout JSONL file.")) -> None:
+    """Validate every trajectory line of a rollout JSONL file."""
+    from rollout.request import validate_trajectory
+
+    try:
+        lines = file.read_bytes().splitlines()
+    except OSError as exc:
+        raise _fail(f"{file}: {exc.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            validate_trajectory(orjson.loads(line))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            raise _fail(f"{file} line {number}: {exc}") from None
+    console.print(f"{file}: {sum(1 for line in lines if line.strip())} valid trajectories")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,107 @@
+"""Seeded synthetic tasks. ``calc``: multi-digit arithmetic that calls for the calculator tool.
+
+A problem looks like ``What is 4821 * 377 + 1290?``: 1 to ``max_ops`` operators from ``+ - *``
+between operands of ``min_digits`` to ``max_digits`` digits, with the usual precedence, so the
+answer is an exact (non-negative) integer. Records are drawn one after another from
+``random.Random(seed)``, so a seed fixes the sequence and ``num`` only says where to cut it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from data.schema import Record
+
+CALC_SYSTEM_PROMPT = "Use the calculator tool for arithmetic. Give the final answer as \\boxed{N}."
+"""Kept short: the tiny character-level model reads it in every prompt."""
+
+CALC_QUESTION_TEMPLATES = (
+    "What is {expression}?",
+    "Compute {expression}.",
+    "Calculate {expression}.",
+    "Evaluate {expression}.",
+    "Find the value of {expression}.",
+)
+CALC_OPERATORS = ("+", "-", "*")
+
+
+def make_calc_records(
+    num: int, seed: int = 0, *, min_digits: int = 3, max_digits: int = 4, max_ops: int = 2
+) -> list[Record]:
+    """``num`` calculator problems; the same seed gives the same records, a larger ``num`` extends them."""
+    if num < 0:
+        raise ValueError(f"num must be >= 0, got {num}")
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
+    if max_ops < 1:
+        raise ValueError(f"max_ops must be >= 1, got {max_ops}")
+    rng = random.Random(seed)
+    records = []
+    for index in range(num):
+        operands, operators, answer = _draw_problem(rng, min_digits, max_digits, max_ops)
+        expression = "".join(_interleave(operands, operators))
+        shown = " ".join(_interleave(operands, operators))
+        question = rng.choice(CALC_QUESTION_TEMPLATES).format(expression=shown)
+        ground_truth = str(answer)
+        records.append(
+            Record(
+                prompt=[
+                    {"role": "system", "content": CALC_SYSTEM_PROMPT},
+                    {"role": "user", "content": question},
+                ],
+                data_source="calc",
+                ground_truth=ground_truth,
+                tools_kwargs={"answer_check": {"create_kwargs": {"ground_truth": ground_truth}}},
+                extra={"expression": expression},
+                index=index,
+            )
+        )
+    return records
+
+
+def _draw_problem(
+    rng: random.Random, min_digits: int, max_digits: int, max_ops: int
+) -> tuple[list[int], list[str], int]:
+    """Operands, operators and the exact answer; redrawn until the answer is not negative."""
+    while True:
+        num_ops = rng.randint(1, max_ops)
+        operands = [_draw_operand(rng, min_digits, max_digits) for _ in range(num_ops + 1)]
+        operators = [rng.choice(CALC_OPERATORS) for _ in range(num_ops)]
+        answer = _evaluate(operands, operators)
+        if answer >= 0:
+            return operands, operators, answer
+
+
+def _draw_operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def _evaluate(operands: list[int], operators: list[str]) -> int:
+    """``a op b op c ...`` with ``*`` before ``+``/``-``, left to right, in exact integers."""
+    terms = [operands[0]]  # signed products, summed at the end
+    for operator, operand in zip(operators, operands[1:], strict=True):
+        if operator == "*":
+            terms[-1] *= operand
+        else:
+            terms.append(operand if operator == "+" else -operand)
+    return sum(terms)
+
+
+def _interleave(operands: list[int], operators: list[str]) -> list[str]:
+    parts = [str(operands[0])]
+    for operator, operand in zip(operators, operands[1:], strict=True):
+        parts += [operator, str(operand)]
+    return parts
+
+
+TASKS: dict[str, Callable[[int, int], list[Record]]] = {"calc": make_calc_records}
+"""Synthetic tasks by name: ``TASKS[name](num, seed)`` gives ``num`` records."""
+
+
+def make_task(name: str, num: int, seed: int = 0) -> list[Record]:
+    """``num`` records of the synthetic task ``name``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](num, seed)

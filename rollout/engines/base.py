@@ -1,0 +1,72 @@
+"""The engine protocol every backend implements: token ids in, token ids and logprobs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+EngineFinish = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, in SGLang's names.
+
+    ``temperature`` 0 means greedy. ``top_k`` 0 or less means no top-k cut. The returned
+    logprob of a sampled token is taken from the temperature-scaled distribution before the
+    top-p/top-k cut (what a trainer recomputes from ``logits / temperature``).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """One engine call's result. ``output_logprobs[i]`` is the logprob of ``output_ids[i]``.
+
+    ``finish_reason`` is "stop" (a stop token was sampled; it ends ``output_ids``), "length"
+    (``max_new_tokens`` or the context limit reached) or "abort".
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: EngineFinish
+    weight_version: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """An engine could not serve a request (after its own retries, where it has any)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout loop needs from an inference backend."""
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """Continue ``input_ids``; ``rid`` names the request for abort and routing."""
+        ...
+
+    async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        """Load new weights between decode steps; returns the new weight version."""
+        ...
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (or all with ``None``); its ``generate`` returns finish "abort"."""
+        ...
+
+    async def health(self) -> bool:
+        """True while the engine can serve."""
+        ...

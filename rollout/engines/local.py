@@ -1,0 +1,393 @@
+"""The embedded engine: a transformers causal LM served in-process with continuous batching.
+
+One background task owns the batch. Between decode steps it admits waiting requests
+(prefilled together into free rows of the KV buffer), drops finished and aborted ones,
+and applies pending weight updates; each step then decodes one token for every running
+request. Model steps run on a single worker thread, so the event loop stays free for
+tools and I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.kv_cache import KVBuffer
+
+
+@dataclass
+class LocalEngineConfig:
+    """Settings of the embedded engine."""
+
+    max_batch_size: int = 128
+    """Most sequences decoded together; more wait in a FIFO queue."""
+    max_prefill_tokens: int = 8192
+    """Most prompt tokens (padded) prefilled in one step, so decode is never starved for long."""
+    max_model_len: int | None = None
+    """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
+    device: str = "auto"
+    """"auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:1", ..."""
+    dtype: str = "auto"
+    """"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16"."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+
+
+@dataclass
+class _Sequence:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future[Generation]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    length: int = 0  # tokens in the KV cache (its next position)
+    row: int = -1
+    finish: str | None = None
+
+    def emit(self, token: int, logprob: float, max_len: int) -> None:
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if token in self.sampling.stop_token_ids:
+            self.finish = "stop"
+        elif len(self.output_ids) >= self.sampling.max_new_tokens or self.length + 1 >= max_len:
+            self.finish = "length"
+
+
+@dataclass
+class EngineStats:
+    """Counters the benchmarks read."""
+
+    steps: int = 0
+    prefills: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    busy_s: float = 0.0
+    peak_batch: int = 0
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (token ids, their logprobs under logits / temperature)."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    greedy = temps == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = logprobs.exp()
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            probs = _filter_top_k_top_p(probs, top_k, top_p)
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+    ps = torch.tensor(top_p, device=probs.device)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass before each token
+    keep = (ranks < ks[:, None]) & (cumulative < ps[:, None])
+    keep[:, 0] = True
+    filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+class LocalEngine:
+    """An in-process engine over a Hugging Face causal LM; use ``async with`` to run it."""
+
+    def __init__(self, model: PreTrainedModel, config: LocalEngineConfig | None = None):
+        self.config = config or LocalEngineConfig()
+        self.device = _resolve_device(self.config.device)
+        self.dtype = _resolve_dtype(self.config.dtype, self.device)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self._decoder = model.get_decoder()
+        self._lm_head = model.get_output_embeddings()
+        model_config = model.config
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
+        )
+        self._kv = KVBuffer(
+            model_config.num_hidden_layers,
+            model_config.num_key_value_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+        )
+        self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # index == KV row
+        self._aborts: set[str | None] = set()
+        self._pending_weights: list[tuple[dict[str, Any], int, asyncio.Future[int]]] = []
+        self._wake = asyncio.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.weight_version = 0
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: LocalEngineConfig | None = None) -> LocalEngine:
+        """Load a local Hugging Face model directory (nothing is downloaded)."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"{path} is not a model directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        return cls(model, config)
+
+    async def __aenter__(self) -> LocalEngine:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
+        self._task = asyncio.create_task(self._serve(), name="local-engine")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in [*self._waiting, *self._running]:
+            self._resolve(seq, "abort")
+        self._waiting.clear()
+        self._running.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ----- the Engine protocol -------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        if self._task is None:
+            raise EngineError("LocalEngine is not running: use it inside 'async with engine:'")
+        if not input_ids:
+            raise EngineError(f"request {rid}: empty input_ids")
+        if len(input_ids) >= self.max_model_len:
+            return Generation([], [], "length", self.weight_version)
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Sequence(rid, list(input_ids), sampling, future))
+        self._wake.set()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self._aborts.add(rid)  # stop spending compute on it
+            self._wake.set()
+            raise
+
+    async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        if self._task is None:
+            self._load_weights(state_dict, version)
+            return version
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending_weights.append((state_dict, version, future))
+        self._wake.set()
+        return await future
+
+    async def abort(self, rid: str | None = None) -> None:
+        self._aborts.add(rid)
+        self._wake.set()
+
+    async def health(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ----- the batch owner --------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._waiting or self._running or self._pending_weights or self._aborts):
+                self._wake.clear()
+                await self._wake.wait()
+            aborts, self._aborts = self._aborts, set()
+            self._drop_waiting(aborts)
+            weights, self._pending_weights = self._pending_weights, []
+            admitted = self._admit()
+            started = time.perf_counter()
+            try:
+                finished = await loop.run_in_executor(self._executor, self._step, admitted, aborts, weights)
+            except Exception as exc:  # a bug or an out-of-memory: fail the batch, keep serving
+                for seq in [*admitted, *self._running]:
+                    if not seq.future.done():
+                        seq.future.set_exception(EngineError(f"local engine step failed: {exc!r}"))
+                self._running.clear()
+                self._kv.num_rows = self._kv.width = 0
+                self._kv.mask.zero_()
+                for _, _, future in weights:
+                    if not future.done():
+                        future.set_exception(EngineError(f"weight update failed: {exc!r}"))
+                continue
+            self.stats.busy_s += time.perf_counter() - started
+            for _, version, future in weights:
+                if not future.done():
+                    future.set_result(version)
+            for seq in finished:
+                self._resolve(seq, seq.finish or "abort")
+            # yield once so that coroutines woken by these results can submit their next turn
+            await asyncio.sleep(0)
+
+    def _drop_waiting(self, aborts: set[str | None]) -> None:
+        if not aborts:
+            return
+        kept: deque[_Sequence] = deque()
+        for seq in self._waiting:
+            if None in aborts or seq.rid in aborts or seq.future.done():
+                self._resolve(seq, "abort")
+            else:
+                kept.append(seq)
+        self._waiting = kept
+
+    def _admit(self) -> list[_Sequence]:
+        admitted: list[_Sequence] = []
+        free = self.config.max_batch_size - len(self._running)
+        longest = 0
+        while self._waiting and len(admitted) < free:
+            seq = self._waiting[0]
+            longest_if = max(longest, len(seq.prompt_ids))
+            if admitted and longest_if * (len(admitted) + 1) > self.config.max_prefill_tokens:
+                break
+            longest = longest_if
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _resolve(self, seq: _Sequence, finish: str) -> None:
+        if not seq.future.done():
+            seq.future.set_result(
+                Generation(seq.output_ids, seq.output_logprobs, finish, self.weight_version)  # type: ignore[arg-type]
+            )
+
+    # ----- the worker thread -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _step(
+        self,
+        admitted: list[_Sequence],
+        aborts: set[str | None],
+        weights: list[tuple[dict[str, Any], int, asyncio.Future[int]]],
+    ) -> list[_Sequence]:
+        """One scheduling step: weights, aborts, prefill of the admitted, one decode step."""
+        for state_dict, version, _ in weights:
+            self._load_weights(state_dict, version)
+        finished: list[_Sequence] = []
+        if aborts:
+            for seq in list(self._running):
+                if None in aborts or seq.rid in aborts:
+                    seq.finish = "abort"
+            finished += self._retire()
+        if admitted:
+            self._prefill(admitted)
+            finished += self._retire()
+        if self._running:
+            self._decode()
+            finished += self._retire()
+        return finished
+
+    def _load_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        _, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected:
+            raise EngineError(f"update_weights: unknown parameters {sorted(unexpected)[:5]}")
+        self.weight_version = version
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """Hidden states of the decoder (logits are taken only where a token is sampled)."""
+        additive = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        hidden = self._decoder(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=additive[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        return hidden
+
+    def _prefill(self, admitted: list[_Sequence]) -> None:
+        kv, device = self._kv, self.device
+        count, longest = len(admitted), max(len(s.prompt_ids) for s in admitted)
+        first = kv.num_rows
+        kv.reserve(first + count, max(kv.width, longest) + 1)
+        lengths = torch.tensor([len(s.prompt_ids) for s in admitted], device=device)
+        input_ids = torch.zeros(count, longest, dtype=torch.long, device=device)
+        for i, seq in enumerate(admitted):
+            input_ids[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids, device=device)
+        cols = torch.arange(longest, device=device)
+        valid = cols[None, :] < lengths[:, None]  # [count, longest]
+        causal = cols[None, :] <= cols[:, None]  # [q, k]
+        mask = causal[None] & valid[:, None, :]
+        rows = slice(first, first + count)
+        hidden = self._forward(input_ids, cols.expand(count, -1), mask, kv.view(rows, 0))
+        last = self._lm_head(hidden[torch.arange(count, device=device), lengths - 1])
+        kv.mask[rows, :longest] = valid
+        kv.num_rows += count
+        kv.width = max(kv.width, longest)
+        tokens, logprobs = sample_tokens(last, [s.sampling for s in admitted], self._generator)
+        for seq, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.row = len(self._running)
+            seq.length = len(seq.prompt_ids)
+            self._running.append(seq)
+            seq.emit(token, logprob, self.max_model_len)
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += int(lengths.sum())
+        self.stats.generated_tokens += count
+
+    def _decode(self) -> None:
+        kv, running, device = self._kv, self._running, self.device
+        rows = len(running)
+        longest = max(s.length for s in running)
+        # compact when the shared columns are mostly gaps, or before growing the buffer for them
+        if kv.width > 4 * longest + 64 or (kv.width + 1 > kv.col_capacity and kv.width > 2 * longest):
+            kv.compact()
+        kv.reserve(rows, kv.width + 1)
+        column = kv.width
+        input_ids = torch.tensor([s.output_ids[-1] for s in running], device=device)[:, None]
+        positions = torch.tensor([s.length for s in running], device=device)[:, None]
+        kv.mask[:rows, column] = True
+        mask = kv.mask[:rows, None, : column + 1]
+        hidden = self._forward(input_ids, positions, mask, kv.view(slice(0, rows), column))
+        kv.width = column + 1
+        logits = self._lm_head(hidden[:, -1])
+        tokens, logprobs = sample_tokens(logits, [s.sampling for s in running], self._generator)
+        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.length += 1
+            seq.emit(token, logprob, self.max_model_len)
+        self.stats.steps += 1
+        self.stats.generated_tokens += rows
+        self.stats.peak_batch = max(self.stats.peak_batch, rows)
+
+    def _retire(self) -> list[_Sequence]:
+        """Remove finished sequences from the batch (and their KV rows)."""
+        done = [s for s in self._running if s.finish is not None]
+        for seq in done:
+            moved = self._kv.remove_row(seq.row)
+            last = self._running.pop()
+            if moved is not None:
+                last.row = seq.row
+                self._running[seq.row] = last
+        return done

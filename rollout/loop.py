@@ -1,0 +1,251 @@
+"""The driver: one coroutine moves one request through its states.
+
+    create tools -> render prompt -> generate -> parse -> (call tools -> append results)* -> reward -> release
+
+Read ``run_request`` top to bottom; everything it calls is in this file or named by import.
+A failure inside a request ends that request with ``finish_reason=error``; cancellation ends
+it with ``abort``. Either way every created tool instance is released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from data.rewards import score_answer
+
+from rollout.engines.base import Engine, SamplingParams
+from rollout.parsers import ToolCall, get_parser
+from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
+from rollout.tokens import ChatTokenizer
+from tools.base import BaseTool, ToolError, ToolResponse
+
+
+@dataclass
+class RolloutConfig:
+    """Every per-request limit and sampling setting of a rollout."""
+
+    max_turns: int = 8
+    """Most assistant turns per request; a request still calling tools after it ends as max_turns."""
+    max_parallel_calls: int = 4
+    """Most tool calls executed per turn; further calls in that turn are answered with an error."""
+    tool_timeout_s: float = 30.0
+    """Wall-clock limit of one tool call (execute); a slower call is answered with an error."""
+    max_tool_response_chars: int = 2000
+    """Longer tool outputs keep their head and tail with a marker in the middle."""
+    max_new_tokens: int = 256
+    """Most tokens generated in one assistant turn."""
+    max_model_len: int = 2048
+    """Most tokens in the whole conversation (prompt + every turn)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tool_parser: str = "qwen25"
+    """Name of the tool-call parser in ``rollout.parsers.PARSERS``."""
+    tool_reward_timeout_s: float = 30.0
+    """Limit for each tool's calc_reward and release."""
+    check_consistency: bool = True
+    """Re-render each finished conversation and record any token difference."""
+
+
+RewardFn = Callable[[AsyncRolloutRequest], float]
+
+
+def default_reward(request: AsyncRolloutRequest) -> float:
+    """The graded final answer when the record has a ground truth, else the tools' rewards."""
+    if request.rewards.answer is not None:
+        return request.rewards.answer
+    return sum(request.rewards.tools.values())
+
+
+async def run_request(
+    request: AsyncRolloutRequest,
+    engine: Engine,
+    chat: ChatTokenizer,
+    tools: dict[str, BaseTool],
+    config: RolloutConfig,
+    reward_fn: RewardFn = default_reward,
+) -> AsyncRolloutRequest:
+    """Drive ``request`` from PENDING to COMPLETED. Never raises, except CancelledError."""
+    created: list[tuple[BaseTool, str]] = []
+    cancelled = False
+    try:
+        # PENDING: one instance of every tool for this request
+        for name, tool in tools.items():
+            create_kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            instance_id = await tool.create(None, **create_kwargs)
+            created.append((tool, instance_id))
+            request.tool_instance_ids[name] = instance_id
+        request.prompt_ids = chat.prompt_ids(request.messages)
+        request.transition(RequestState.RUNNING)
+        await _converse(request, engine, chat, tools, config)
+    except asyncio.CancelledError:
+        cancelled = True
+        request.finish(FinishReason.ABORT, "cancelled")
+        raise
+    except Exception as exc:  # engine failure, failing create, template error: this request only
+        request.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+    finally:
+        if request.state is not RequestState.COMPLETED:
+            request.transition(RequestState.COMPLETED)
+        if not cancelled:
+            await _score(request, created, chat, config, reward_fn)
+        await _release(request, created, config)
+    return request
+
+
+async def _converse(
+    request: AsyncRolloutRequest,
+    engine: Engine,
+    chat: ChatTokenizer,
+    tools: dict[str, BaseTool],
+    config: RolloutConfig,
+) -> None:
+    """RUNNING <-> TOOL_CALLING until the model stops calling tools or a budget runs out."""
+    parser = get_parser(config.tool_parser)
+    while True:
+        budget = min(config.max_new_tokens, config.max_model_len - len(request.prompt_ids) - len(request.response_ids))
+        if budget <= 0:
+            request.finish(FinishReason.LENGTH)
+            return
+        sampling = SamplingParams(
+            max_new_tokens=budget,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            stop_token_ids=chat.stop_token_ids,
+        )
+        generation = await engine.generate(request.all_ids, sampling, request.request_id)
+        if generation.output_ids:
+            request.metrics.turns += 1
+            request.append_generated(generation.output_ids, generation.output_logprobs, generation.weight_version)
+            text = chat.assistant_text(generation.output_ids)
+            request.messages.append({"role": "assistant", "content": text})
+        if generation.finish_reason == "abort":
+            request.finish(FinishReason.ABORT, "aborted by the engine")
+            return
+        if generation.finish_reason == "length" or not generation.output_ids:
+            request.finish(FinishReason.LENGTH)
+            return
+        turn = parser(text)
+        if not turn.calls:
+            request.finish(FinishReason.STOP)
+            return
+        if request.metrics.turns >= config.max_turns:
+            request.finish(FinishReason.MAX_TURNS)
+            return
+
+        request.transition(RequestState.TOOL_CALLING)
+        records = await _call_tools(request, turn.calls, tools, config)
+        tool_messages = [{"role": "tool", "content": record.text} for record in records]
+        request.messages += tool_messages
+        request.append_context(chat.assistant_close_ids(generation.output_ids) + chat.delta_ids(tool_messages))
+        request.transition(RequestState.RUNNING)
+
+
+async def _call_tools(
+    request: AsyncRolloutRequest, calls: list[ToolCall], tools: dict[str, BaseTool], config: RolloutConfig
+) -> list[ToolCallRecord]:
+    """Run the calls of one turn concurrently; one record (and tool message) per call, in order."""
+    turn = request.metrics.turns
+    allowed, skipped = calls[: config.max_parallel_calls], calls[config.max_parallel_calls :]
+    records = list(await asyncio.gather(*(_call_tool(request, turn, call, tools, config) for call in allowed)))
+    for call in skipped:
+        message = f"skipped: at most {config.max_parallel_calls} tool calls are run per turn"
+        records.append(ToolCallRecord(turn, call.name, call.arguments, f"Error: {message}", error=message))
+    for record in records:
+        request.tool_calls.append(record)
+        request.rewards.step.append(record.reward)
+        request.metrics.tool_calls += 1
+        request.metrics.tool_errors += record.error is not None
+    return records
+
+
+async def _call_tool(
+    request: AsyncRolloutRequest, turn: int, call: ToolCall, tools: dict[str, BaseTool], config: RolloutConfig
+) -> ToolCallRecord:
+    """Execute one call. Every failure becomes an ``Error: ...`` text for the model to read."""
+    record = ToolCallRecord(turn, call.name, call.arguments, "")
+    started = time.monotonic()
+    tool = tools.get(call.name)
+    error: str | None = None
+    if call.error is not None:
+        error = call.error
+    elif tool is None:
+        error = f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tools)) or 'none'}"
+    elif (problem := tool.check_arguments(call.arguments or {})) is not None:
+        error = f"bad arguments for {call.name}: {problem}"
+    else:
+        execute_kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
+        try:
+            response = await asyncio.wait_for(
+                tool.execute(request.tool_instance_ids[call.name], call.arguments or {}, **execute_kwargs),
+                config.tool_timeout_s,
+            )
+            if not isinstance(response, ToolResponse):
+                raise TypeError(f"execute returned {type(response).__name__}, not ToolResponse")
+            record.text, record.reward, record.metrics = str(response.text), float(response.reward), response.metrics
+        except asyncio.TimeoutError:
+            error = f"tool {call.name} timed out after {config.tool_timeout_s:g} s"
+        except ToolError as exc:
+            error = str(exc)
+        except Exception as exc:
+            error = f"tool {call.name} failed: {type(exc).__name__}: {exc}"
+    if error is not None:
+        record.error, record.text = error, f"Error: {error}"
+    record.text = truncate_middle(record.text, config.max_tool_response_chars)
+    record.latency_s = time.monotonic() - started
+    return record
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """Keep the head and tail of ``text`` within ``limit`` characters, marking the cut."""
+    if len(text) <= limit:
+        return text
+    marker = f"\n...[{len(text) - limit} characters cut]...\n"
+    keep = max(limit - len(marker), 0)
+    head = keep - keep // 2
+    return text[:head] + marker + text[len(text) - keep // 2 :]
+
+
+async def _score(
+    request: AsyncRolloutRequest,
+    created: list[tuple[BaseTool, str]],
+    chat: ChatTokenizer,
+    config: RolloutConfig,
+    reward_fn: RewardFn,
+) -> None:
+    """COMPLETED: each tool's calc_reward, the graded answer, the final reward, the token check."""
+    for tool, instance_id in created:
+        kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
+        try:
+            reward = await asyncio.wait_for(tool.calc_reward(instance_id, **kwargs), config.tool_reward_timeout_s)
+            request.rewards.tools[tool.name] = float(reward)
+        except Exception as exc:
+            request.rewards.tools[tool.name] = 0.0
+            request.metrics.tool_errors += 1
+            _note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
+    if request.ground_truth is not None:
+        answer = next((m["content"] for m in reversed(request.messages) if m["role"] == "assistant"), "")
+        request.rewards.answer = score_answer(answer, request.ground_truth)
+    request.rewards.final = float(reward_fn(request))
+    if config.check_consistency and request.prompt_ids:
+        report = chat.check_consistency(request.messages, request.all_ids)
+        request.consistency_diff = None if report.ok else report.diff
+
+
+async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]], config: RolloutConfig) -> None:
+    """Release every created instance once, even if one release fails."""
+    for tool, instance_id in created:
+        kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
+        try:
+            await asyncio.wait_for(tool.release(instance_id, **kwargs), config.tool_reward_timeout_s)
+        except Exception as exc:
+            _note_error(request, f"release of {tool.name} failed: {type(exc).__name__}: {exc}")
+
+
+def _note_error(request: AsyncRolloutRequest, message: str) -> None:
+    request.error = message if request.error is None else f"{request.error}; {message}"
+

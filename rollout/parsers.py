@@ -1,0 +1,105 @@
+"""Tool-call parsers: assistant text in, (content, tool calls, parse errors) out. They never raise.
+
+The Qwen2.5 / Hermes format is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+any number per turn. Other formats register a function under a name in ``PARSERS``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class ToolCall:
+    """One call as the model wrote it. ``error`` is set (and ``arguments`` may be None) when it
+    could not be read; the loop answers such a call with the error as its tool message."""
+
+    name: str
+    arguments: dict[str, Any] | None
+    error: str | None = None
+
+
+@dataclass
+class ParsedTurn:
+    """An assistant turn split into its text and its calls, malformed ones included, in order."""
+
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [call.error for call in self.calls if call.error is not None]
+
+
+Parser = Callable[[str], ParsedTurn]
+PARSERS: dict[str, Parser] = {}
+
+
+def register_parser(name: str) -> Callable[[Parser], Parser]:
+    """Decorator: make a parser available under ``name`` (for ``RolloutConfig.tool_parser``)."""
+
+    def wrap(fn: Parser) -> Parser:
+        PARSERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_parser(name: str) -> Parser:
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_MAX_ERROR_SNIPPET = 120
+
+
+def _snippet(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _MAX_ERROR_SNIPPET else text[:_MAX_ERROR_SNIPPET] + "..."
+
+
+def parse_call_json(body: str) -> ToolCall:
+    """Read one ``{"name": ..., "arguments": {...}}`` object (``error`` set when malformed)."""
+    try:
+        obj = orjson.loads(body.strip())
+    except (orjson.JSONDecodeError, UnicodeEncodeError) as exc:
+        return ToolCall("", None, f"invalid JSON in tool call ({exc}): {_snippet(body)}")
+    if not isinstance(obj, dict):
+        return ToolCall("", None, f"a tool call must be a JSON object with 'name' and 'arguments': {_snippet(body)}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall("", None, f"tool call has no 'name' string: {_snippet(body)}")
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models emit the arguments as a JSON string
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return ToolCall(name, None, f"the arguments of tool call {name!r} must be a JSON object: {_snippet(body)}")
+    return ToolCall(name, arguments)
+
+
+@register_parser("qwen25")
+@register_parser("hermes")
+def parse_hermes(text: str) -> ParsedTurn:
+    """Qwen2.5 / Hermes: ``<tool_call>{json}</tool_call>`` blocks; text before the first is content."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=text[:start].rstrip())
+    for match in _TOOL_CALL.finditer(text, start):
+        body = match.group(1)
+        if match.group(0).endswith("</tool_call>"):
+            turn.calls.append(parse_call_json(body))
+        else:
+            turn.calls.append(ToolCall("", None, f"unclosed <tool_call> (no </tool_call>): {_snippet(body)}"))
+    return turn

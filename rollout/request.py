@@ -1,0 +1,207 @@
+"""One rollout request: its state, tokens, tool calls, rewards, metrics and trace.
+
+States: PENDING -> RUNNING -> (TOOL_CALLING -> RUNNING)* -> COMPLETED. Every transition is
+appended to ``trace`` with a ``time.monotonic()`` timestamp; ``metrics.state_seconds`` adds up
+the time spent in each state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class RequestState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # the model answered without calling a tool
+    LENGTH = "length"  # max_new_tokens of a turn or max_model_len reached
+    MAX_TURNS = "max_turns"  # still calling tools when the turn budget ran out
+    ABORT = "abort"  # cancelled or aborted by the engine
+    ERROR = "error"  # an engine or tool failure that ended this request (see ``error``)
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call as it happened. ``error`` is set when the call failed (its text says why)."""
+
+    turn: int
+    name: str
+    arguments: dict[str, Any] | None
+    text: str
+    latency_s: float = 0.0
+    error: str | None = None
+    reward: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TraceEvent:
+    state: RequestState
+    t: float  # time.monotonic()
+
+
+@dataclass
+class RequestMetrics:
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    generated_tokens: int = 0
+    state_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Rewards:
+    step: list[float] = field(default_factory=list)  # ToolResponse.reward, in call order
+    tools: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward
+    answer: float | None = None  # the final answer graded against ground_truth (None without one)
+    final: float = 0.0  # what the trainer optimises
+
+
+@dataclass
+class AsyncRolloutRequest:
+    """The unit the rollout loop moves through its states. Token lists stay aligned:
+    ``len(response_ids) == len(loss_mask) == len(logprobs)``; ``logprobs[i]`` is None where
+    ``loss_mask[i] == 0``."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    messages: list[dict[str, Any]]
+    data_source: str = "unknown"
+    ground_truth: str | None = None
+    tools_kwargs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    state: RequestState = RequestState.PENDING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    weight_versions: list[int | None] = field(default_factory=list)
+    tool_instance_ids: dict[str, str] = field(default_factory=dict)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    rewards: Rewards = field(default_factory=Rewards)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    trace: list[TraceEvent] = field(default_factory=list)
+    consistency_diff: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.trace:
+            self.trace.append(TraceEvent(self.state, time.monotonic()))
+
+    def transition(self, state: RequestState) -> None:
+        """Move to ``state`` and record it; time in the old state goes to ``metrics``."""
+        now = time.monotonic()
+        last = self.trace[-1]
+        spent = self.metrics.state_seconds
+        spent[last.state.value] = spent.get(last.state.value, 0.0) + now - last.t
+        self.state = state
+        self.trace.append(TraceEvent(state, now))
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Set the finish reason once (the first reason wins)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error = error
+
+    def append_generated(self, ids: list[int], logprobs: list[float], weight_version: int | None) -> None:
+        """Engine tokens: trained on (mask 1), logprobs kept."""
+        self.response_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.weight_versions += [weight_version] * len(ids)
+        self.metrics.generated_tokens += len(ids)
+
+    def append_context(self, ids: list[int]) -> None:
+        """Template glue and tool output: context only (mask 0, no logprob)."""
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [None] * len(ids)
+        self.weight_versions += [None] * len(ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def reward(self) -> float:
+        return self.rewards.final
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSONL form of a finished request (field names as in the README)."""
+        start = self.trace[0].t
+        return {
+            "request_id": self.request_id,
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "state": self.state.value,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "error": self.error,
+            "data_source": self.data_source,
+            "ground_truth": self.ground_truth,
+            "messages": self.messages,
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+            "weight_versions": self.weight_versions,
+            "reward": self.rewards.final,
+            "rewards": asdict(self.rewards),
+            "turns": self.metrics.turns,
+            "tool_calls": [asdict(call) for call in self.tool_calls],
+            "metrics": asdict(self.metrics),
+            "consistency_diff": self.consistency_diff,
+            "trace": [{"state": e.state.value, "t": round(e.t - start, 6)} for e in self.trace],
+            "trace_start": start,
+        }
+
+
+TRAJECTORY_FIELDS = (
+    "request_id", "prompt_index", "sample_index", "state", "finish_reason", "messages", "prompt_ids",
+    "response_ids", "loss_mask", "logprobs", "reward", "turns", "tool_calls", "trace",
+)  # fmt: skip
+
+
+def validate_trajectory(obj: Any) -> None:
+    """Check one JSONL trajectory (``to_record`` output); a ValueError names the broken field."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"a trajectory must be a JSON object, got {type(obj).__name__}")
+    missing = [name for name in TRAJECTORY_FIELDS if name not in obj]
+    if missing:
+        raise ValueError(f"missing field(s): {', '.join(missing)}")
+    if obj["state"] != RequestState.COMPLETED.value:
+        raise ValueError(f"state: expected 'completed', got {obj['state']!r}")
+    if obj["finish_reason"] not in {reason.value for reason in FinishReason}:
+        raise ValueError(f"finish_reason: unknown value {obj['finish_reason']!r}")
+    for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "messages", "tool_calls", "trace"):
+        if not isinstance(obj[name], list):
+            raise ValueError(f"{name}: expected a list")
+    response, mask, logprobs = obj["response_ids"], obj["loss_mask"], obj["logprobs"]
+    if not (len(response) == len(mask) == len(logprobs)):
+        raise ValueError(
+            f"response_ids, loss_mask and logprobs differ in length ({len(response)}, {len(mask)}, {len(logprobs)})"
+        )
+    if not all(isinstance(t, int) for t in obj["prompt_ids"] + response):
+        raise ValueError("prompt_ids/response_ids: expected token ids (integers)")
+    for i, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):
+        if m not in (0, 1):
+            raise ValueError(f"loss_mask[{i}]: expected 0 or 1, got {m!r}")
+        if (m == 1) != isinstance(lp, (int, float)) or (m == 0 and lp is not None):
+            raise ValueError(f"logprobs[{i}]: must be a number where loss_mask is 1 and null where it is 0")
+    for i, message in enumerate(obj["messages"]):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}]: expected an object with a string 'content'")
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role: unknown role {message.get('role')!r}")
+    if not isinstance(obj["reward"], (int, float)):
+        raise ValueError(f"reward: expected a number, got {obj['reward']!r}")

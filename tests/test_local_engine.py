@@ -1,0 +1,138 @@
+"""The embedded engine on a real tiny Qwen2: continuous batching must not change the math."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout.engines.base import Engine, EngineError, SamplingParams
+from rollout.engines.local import LocalEngine, LocalEngineConfig, sample_tokens
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    return [tokenizer.encode(f"Prompt {i}: " + "ab" * (3 + 7 * (i % 4)), add_special_tokens=False) for i in range(count)]
+
+
+def recomputed_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt + output])).logits[0].float().log_softmax(-1)
+    return [logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(output)]
+
+
+def test_local_engine_satisfies_the_engine_protocol(tiny_model):
+    assert isinstance(LocalEngine(tiny_model), Engine)
+
+
+async def test_greedy_output_equals_model_generate(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    async with LocalEngine(tiny_model) as engine:
+        generation = await engine.generate(prompt, SamplingParams(max_new_tokens=30, temperature=0), "r")
+    reference = tiny_model.generate(
+        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert generation.output_ids == reference
+    assert generation.finish_reason == "length"
+
+
+async def test_logprobs_match_a_full_recompute_while_requests_join_and_leave(tiny_model, tokenizer):
+    batch = prompts(tokenizer, 12)
+
+    async def one(engine, i):
+        await asyncio.sleep(0.003 * i)  # staggered arrivals join a running batch
+        sampling = SamplingParams(max_new_tokens=10 + 3 * i, temperature=1.0, top_k=8 if i % 2 else -1)
+        return await engine.generate(batch[i], sampling, f"r{i}")
+
+    async with LocalEngine(tiny_model, LocalEngineConfig(max_batch_size=5)) as engine:
+        generations = await asyncio.gather(*(one(engine, i) for i in range(12)))
+    for i, generation in enumerate(generations):
+        assert len(generation.output_ids) == 10 + 3 * i
+        expected = recomputed_logprobs(tiny_model, batch[i], generation.output_ids)
+        assert generation.output_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_greedy_output_does_not_depend_on_the_batch(tiny_model, tokenizer):
+    batch = prompts(tokenizer, 8)
+    greedy = SamplingParams(max_new_tokens=20, temperature=0)
+    async with LocalEngine(tiny_model) as engine:
+        together = await asyncio.gather(*(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(batch)))
+        alone = [await engine.generate(p, greedy, f"s{i}") for i, p in enumerate(batch)]
+    assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+
+
+async def test_stop_token_ends_the_output_and_is_included(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    async with LocalEngine(tiny_model) as engine:
+        free = await engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0), "a")
+        stop_at = free.output_ids[3]
+        stopped = await engine.generate(
+            prompt, SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=[stop_at]), "b"
+        )
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == free.output_ids[: free.output_ids.index(stop_at) + 1]
+
+
+async def test_context_limit_ends_in_length(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    config = LocalEngineConfig(max_model_len=len(prompt) + 5)
+    async with LocalEngine(tiny_model, config) as engine:
+        generation = await engine.generate(prompt, SamplingParams(max_new_tokens=50), "a")
+        too_long = await engine.generate(prompt * 2, SamplingParams(max_new_tokens=50), "b")
+    assert generation.finish_reason == "length" and len(prompt) + len(generation.output_ids) == len(prompt) + 5
+    assert too_long.finish_reason == "length" and too_long.output_ids == []
+
+
+async def test_abort_returns_the_tokens_so_far(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    async with LocalEngine(tiny_model) as engine:
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=100_000), "long"))
+        await asyncio.sleep(0.2)
+        await engine.abort("long")
+        generation = await task
+    assert generation.finish_reason == "abort"
+    assert 0 < len(generation.output_ids) < 100_000
+
+
+async def test_update_weights_changes_outputs_and_the_weight_version(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    model = type(tiny_model)(tiny_model.config)
+    model.load_state_dict(tiny_model.state_dict())
+    async with LocalEngine(model) as engine:
+        before = await engine.generate(prompt, greedy, "a")
+        shifted = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        version = await engine.update_weights(shifted)
+        after = await engine.generate(prompt, greedy, "b")
+    assert (before.weight_version, version, after.weight_version) == (0, 1, 1)
+    assert before.output_ids != after.output_ids
+
+
+async def test_update_weights_rejects_unknown_parameters(tiny_model):
+    async with LocalEngine(tiny_model) as engine:
+        with pytest.raises(EngineError, match="unknown parameters"):
+            await engine.update_weights({"not.a.weight": torch.zeros(1)})
+        assert await engine.health()
+
+
+async def test_generate_outside_async_with_is_a_clear_error(tiny_model):
+    with pytest.raises(EngineError, match="async with"):
+        await LocalEngine(tiny_model).generate([1, 2], SamplingParams(), "r")
+
+
+def test_top_k_one_is_greedy_and_logprobs_use_the_temperature():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.5, top_k=1), SamplingParams(temperature=0)]
+    tokens, logprobs = sample_tokens(logits, params, torch.Generator().manual_seed(0))
+    assert tokens.tolist() == [1, 0]
+    assert logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0] / 0.5, -1)[1].item())
+    assert logprobs[1].item() == pytest.approx(torch.log_softmax(logits[1], -1)[0].item())
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    generator = torch.Generator().manual_seed(0)
+    seen = {
+        sample_tokens(logits, [SamplingParams(top_p=0.7)], generator)[0].item() for _ in range(200)
+    }
+    assert seen == {0, 1}
