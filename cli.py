@@ -15,7 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "assets" / "tiny-calc"
 
@@ -115,15 +115,13 @@ async def _local_rollout(
     progress: bool,
 ):
     """Embedded engine + chat tokenizer + tools + runner, wired for one rollout."""
-    from transformers import AutoTokenizer
-
     from rollout.engines.local import LocalEngine, LocalEngineConfig
     from rollout.runner import RolloutRunner
-    from rollout.tokens import ChatTokenizer
+    from rollout.tokens import ChatTokenizer, load_tokenizer
     from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
 
     tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(model_dir)
     chat = ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
     engine_config = LocalEngineConfig(
         max_batch_size=max(1, max_concurrency), max_model_len=config.max_model_len, device=device, seed=seed
@@ -146,7 +144,10 @@ def _load_prompts(task: str | None, data: Path | None, num_prompts: int | None, 
         if not records:
             raise UserError(f"{data}: no records")
         return records[:num_prompts] if num_prompts else records
-    return make_task(task or "calc", num_prompts or 64, seed)
+    try:
+        return make_task(task or "calc", num_prompts or 64, seed)
+    except ValueError as exc:  # unknown task name
+        raise UserError(f"--task: {exc}") from None
 
 
 @app.command("new-model")

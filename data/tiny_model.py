@@ -81,9 +81,7 @@ class TinyModelConfig:
     seed: int = 0
 
 
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig | None = None
-) -> Qwen2ForCausalLM:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig | None = None) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2ForCausalLM sized for ``tokenizer`` (float32, eval mode)."""
     config = config or TinyModelConfig()
     qwen = Qwen2Config(

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from data.rewards import score_answer
-
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
@@ -229,7 +228,8 @@ async def _score(
             _note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
     if request.ground_truth is not None:
         answer = next((m["content"] for m in reversed(request.messages) if m["role"] == "assistant"), "")
-        request.rewards.answer = score_answer(answer, request.ground_truth)
+        # math-verify's symbolic fallback can take a while: keep it off the event loop
+        request.rewards.answer = await asyncio.to_thread(score_answer, answer, request.ground_truth)
     request.rewards.final = float(reward_fn(request))
     if config.check_consistency and request.prompt_ids:
         report = chat.check_consistency(request.messages, request.all_ids)
@@ -248,4 +248,3 @@ async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, s
 
 def _note_error(request: AsyncRolloutRequest, message: str) -> None:
     request.error = message if request.error is None else f"{request.error}; {message}"
-

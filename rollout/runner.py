@@ -211,4 +211,3 @@ def request_from_record(record: Record, prompt_index: int, sample_index: int, re
         tools_kwargs=record.tools_kwargs,
         extra=record.extra,
     )
-

@@ -13,16 +13,37 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _SENTINEL = "\u2063RALLYRL-ASSISTANT-CONTENT\u2063"
 _BASE_MESSAGES = [
     {"role": "user", "content": "base user turn"},
     {"role": "assistant", "content": _SENTINEL},
 ]
+
+
+_GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load a local tokenizer as its directory declares it (nothing is downloaded).
+
+    transformers 5 swaps in the model type's own tokenizer class for some models (qwen2
+    among them) even when ``tokenizer_config.json`` names the generic fast tokenizer, which
+    rebuilds the pre-tokenizer; a directory that declares the generic class gets exactly its
+    ``tokenizer.json`` here.
+    """
+    path = Path(path)
+    config_file = path / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if declared in _GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class TemplateError(ValueError):

@@ -117,7 +117,7 @@ class ScriptedEngine:
         text = self.script(turn, self.chat.decode(input_ids), rid)
         if isinstance(text, Exception):
             raise text
-        ids = self.chat.encode(text) + [self.chat.turn_close_ids[0]]
+        ids = [*self.chat.encode(text), self.chat.turn_close_ids[0]]
         finish = "stop"
         if len(ids) > sampling.max_new_tokens:
             ids, finish = ids[: sampling.max_new_tokens], "length"

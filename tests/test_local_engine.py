@@ -12,7 +12,9 @@ from rollout.engines.local import LocalEngine, LocalEngineConfig, sample_tokens
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer.encode(f"Prompt {i}: " + "ab" * (3 + 7 * (i % 4)), add_special_tokens=False) for i in range(count)]
+    return [
+        tokenizer.encode(f"Prompt {i}: " + "ab" * (3 + 7 * (i % 4)), add_special_tokens=False) for i in range(count)
+    ]
 
 
 def recomputed_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
@@ -132,7 +134,5 @@ def test_top_k_one_is_greedy_and_logprobs_use_the_temperature():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     generator = torch.Generator().manual_seed(0)
-    seen = {
-        sample_tokens(logits, [SamplingParams(top_p=0.7)], generator)[0].item() for _ in range(200)
-    }
+    seen = {sample_tokens(logits, [SamplingParams(top_p=0.7)], generator)[0].item() for _ in range(200)}
     assert seen == {0, 1}

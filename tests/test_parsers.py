@@ -13,7 +13,9 @@ def test_text_without_calls_is_all_content():
 
 
 def test_one_call_with_text_before_it():
-    turn = parse_hermes('Let me compute.\n<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>')
+    turn = parse_hermes(
+        'Let me compute.\n<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+    )
     assert turn.content == "Let me compute."
     assert [(c.name, c.arguments, c.error) for c in turn.calls] == [("calculator", {"expression": "2+2"}, None)]
 
@@ -34,7 +36,10 @@ def test_arguments_given_as_a_json_string_are_decoded():
         ('<tool_call>{"name": "f", "arguments": {</tool_call>', "invalid JSON in tool call"),
         ("<tool_call>[1, 2]</tool_call>", "a tool call must be a JSON object"),
         ('<tool_call>{"arguments": {}}</tool_call>', "tool call has no 'name' string"),
-        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "the arguments of tool call 'f' must be a JSON object"),
+        (
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            "the arguments of tool call 'f' must be a JSON object",
+        ),
         ('<tool_call>{"name": "f", "arguments": {}}', "unclosed <tool_call>"),
         ("<tool_call></tool_call>", "invalid JSON in tool call"),
     ],

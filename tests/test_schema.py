@@ -164,9 +164,7 @@ def test_verl_layout_save_is_read_by_pyarrow_as_verl_expects(tmp_path: Path) -> 
 
 
 def test_verl_layout_round_trip(tmp_path: Path) -> None:
-    records = [
-        Record(prompt=_messages(q), ground_truth=gt, extra={"k": q}) for q, gt in [("a", "1"), ("b", "2")]
-    ]
+    records = [Record(prompt=_messages(q), ground_truth=gt, extra={"k": q}) for q, gt in [("a", "1"), ("b", "2")]]
     for index, record in enumerate(records):
         record.index = index
     path = tmp_path / "records.parquet"
@@ -245,9 +243,7 @@ BAD_RECORDS = [
     pytest.param([1, 2], None, "expected a JSON object, got list", id="not_an_object"),
     pytest.param({"data_source": "x"}, "prompt", "missing", id="missing_prompt"),
     pytest.param({"prompt": []}, "prompt", "empty", id="empty_prompt"),
-    pytest.param(
-        {"prompt": "hi"}, "prompt", "expected a list of chat messages, got string", id="prompt_not_a_list"
-    ),
+    pytest.param({"prompt": "hi"}, "prompt", "expected a list of chat messages, got string", id="prompt_not_a_list"),
     pytest.param(
         {"prompt": [GOOD["prompt"][0], "hi"]},
         "prompt[1]",
@@ -255,9 +251,7 @@ BAD_RECORDS = [
         id="message_not_an_object",
     ),
     pytest.param({"prompt": [{"content": "hi"}]}, "prompt[0].role", "missing", id="missing_role"),
-    pytest.param(
-        {"prompt": [{"role": "bot", "content": "hi"}]}, "prompt[0].role", "unknown role 'bot'", id="bad_role"
-    ),
+    pytest.param({"prompt": [{"role": "bot", "content": "hi"}]}, "prompt[0].role", "unknown role 'bot'", id="bad_role"),
     pytest.param({"prompt": [{"role": "user"}]}, "prompt[0].content", "missing", id="missing_content"),
     pytest.param(
         {"prompt": [{"role": "user", "content": ["hi"]}]},
@@ -333,9 +327,7 @@ def test_parquet_error_names_file_record_and_field(tmp_path: Path) -> None:
     rows = [_gsm8k_verl_row(0, "q", "1"), _gsm8k_verl_row(1, "q", "2")]
     rows[1]["prompt"][0]["role"] = "robot"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    with pytest.raises(
-        RecordError, match=r"bad\.parquet record 1, field prompt\[0\]\.role: unknown role 'robot'"
-    ):
+    with pytest.raises(RecordError, match=r"bad\.parquet record 1, field prompt\[0\]\.role: unknown role 'robot'"):
         load_records(path)
 
 
@@ -379,10 +371,7 @@ def test_unsupported_extension_is_a_record_error_naming_the_path(tmp_path: Path)
 def test_validate_record_without_a_file_names_record_and_field() -> None:
     with pytest.raises(RecordError) as caught:
         validate_record({"prompt": [{"role": "user", "content": None}]}, index=4)
-    assert (
-        str(caught.value)
-        == "record 4, field prompt[0].content: missing; every message needs a string content"
-    )
+    assert str(caught.value) == "record 4, field prompt[0].content: missing; every message needs a string content"
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -407,9 +396,7 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp_file(tmp_path: Path) 
 
 def test_parquet_save_of_records_parquet_cannot_hold_says_to_use_jsonl(tmp_path: Path) -> None:
     empty_kwargs = Record(prompt=_messages("q"), tools_kwargs={"calculator": {"create_kwargs": {}}})
-    with pytest.raises(
-        RecordError, match=r"out\.parquet: cannot store these records in parquet .* save as \.jsonl"
-    ):
+    with pytest.raises(RecordError, match=r"out\.parquet: cannot store these records in parquet .* save as \.jsonl"):
         save_records([empty_kwargs], tmp_path / "out.parquet", layout="verl")
 
 

@@ -76,9 +76,7 @@ def test_operands_have_min_to_max_digits(min_digits: int, max_digits: int) -> No
 
 @pytest.mark.parametrize("max_ops", [1, 2, 4])
 def test_operator_count_is_between_one_and_max_ops(max_ops: int) -> None:
-    counts = {
-        len(OPERATOR.findall(r.extra["expression"])) for r in make_calc_records(200, seed=0, max_ops=max_ops)
-    }
+    counts = {len(OPERATOR.findall(r.extra["expression"])) for r in make_calc_records(200, seed=0, max_ops=max_ops)}
     assert counts == set(range(1, max_ops + 1))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.tokens import ChatTokenizer, TemplateError
+from rollout.tokens import ChatTokenizer, TemplateError, load_tokenizer
 
 SCHEMA = {
     "type": "function",
@@ -40,7 +40,7 @@ def test_incremental_tokens_equal_a_full_render(chat):
     ids = chat.prompt_ids(PROMPT)
     messages = list(PROMPT)
     for answer, tools in [("call one", ["r1"]), ("call two", ["r2", "r3"]), ("done", [])]:
-        out = chat.encode(answer) + [chat.turn_close_ids[0]]
+        out = [*chat.encode(answer), chat.turn_close_ids[0]]
         ids += out
         messages.append({"role": "assistant", "content": chat.assistant_text(out)})
         if tools:
@@ -87,3 +87,11 @@ def test_tokenizer_without_template_is_refused(tokenizer):
     clone = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
     with pytest.raises(TemplateError, match="has no chat_template"):
         ChatTokenizer(clone)
+
+
+def test_saved_tiny_model_tokenizer_reloads_exactly(tiny_model_dir, tokenizer):
+    text = "<|im_start|>assistant\n a  b\t<tool_call>{} </tool_call><|im_end|>\n"
+    loaded = load_tokenizer(tiny_model_dir)
+    assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    assert loaded.chat_template == tokenizer.chat_template
