@@ -41,11 +41,15 @@ def sequential_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / (time.perf_counter() - started)
 
 
-async def engine_rate(model, prompts: list[list[int]], new_tokens: int, concurrency: int) -> tuple[float, int]:
-    """Tokens/s of the local engine with ``concurrency`` requests in flight; also its peak batch."""
+async def engine_rate(
+    model, prompts: list[list[int]], new_tokens: int, concurrency: int, prefix_cache: bool
+) -> tuple[float, int, float]:
+    """Tokens/s of the local engine with ``concurrency`` requests in flight; also its peak batch
+    and the share of prompt tokens served from the prefix cache."""
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     semaphore = asyncio.Semaphore(concurrency)
-    async with LocalEngine(model, LocalEngineConfig(max_batch_size=max(concurrency, 1))) as engine:
+    config = LocalEngineConfig(max_batch_size=max(concurrency, 1), prefix_cache_mb=512 if prefix_cache else 0)
+    async with LocalEngine(model, config) as engine:
 
         async def one(i: int) -> int:
             async with semaphore:
@@ -53,7 +57,9 @@ async def engine_rate(model, prompts: list[list[int]], new_tokens: int, concurre
 
         started = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
-        return tokens / (time.perf_counter() - started), engine.stats.peak_batch
+        rate = tokens / (time.perf_counter() - started)
+        stats = engine.stats
+        return rate, stats.peak_batch, stats.cached_tokens / (stats.cached_tokens + stats.prefill_tokens)
 
 
 def main() -> None:
@@ -71,7 +77,7 @@ def main() -> None:
     chat = ChatTokenizer(tokenizer, [CalculatorTool().schema])
     prompts = [chat.prompt_ids(record.prompt) for record in make_calc_records(args.requests, seed=0)]
     params = sum(p.numel() for p in model.parameters())
-    console = Console()
+    console = Console(width=120)
     console.print(
         f"tiny Qwen2 ({params / 1e6:.2f} M parameters), {len(prompts)} requests, "
         f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens each, "
@@ -80,12 +86,14 @@ def main() -> None:
 
     baseline = sequential_rate(model, prompts[: args.sequential], args.new_tokens)
     table = Table(title="local engine throughput")
-    for column in ("mode", "concurrent requests", "peak batch", "tokens/s", "vs sequential generate"):
+    for column in ("mode", "concurrent requests", "peak batch", "prompt tokens cached", "tokens/s", "vs sequential"):
         table.add_column(column, justify="right")
-    table.add_row("model.generate, one at a time", "1", "1", f"{baseline:,.0f}", "1.00x")
-    for concurrency in args.concurrency:
-        rate, peak = asyncio.run(engine_rate(model, prompts, args.new_tokens, concurrency))
-        table.add_row("LocalEngine", str(concurrency), str(peak), f"{rate:,.0f}", f"{rate / baseline:.2f}x")
+    table.add_row("model.generate, one at a time", "1", "1", "-", f"{baseline:,.0f}", "1.00x")
+    runs = [(c, True) for c in args.concurrency] + [(max(args.concurrency), False)]
+    for concurrency, prefix_cache in runs:
+        rate, peak, cached = asyncio.run(engine_rate(model, prompts, args.new_tokens, concurrency, prefix_cache))
+        mode = "LocalEngine" if prefix_cache else "LocalEngine, prefix cache off"
+        table.add_row(mode, str(concurrency), str(peak), f"{cached:.0%}", f"{rate:,.0f}", f"{rate / baseline:.2f}x")
     console.print(table)
 
 

@@ -136,3 +136,59 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     generator = torch.Generator().manual_seed(0)
     seen = {sample_tokens(logits, [SamplingParams(top_p=0.7)], generator)[0].item() for _ in range(200)}
     assert seen == {0, 1}
+
+
+async def test_next_turn_reuses_the_cached_conversation_and_keeps_logprobs_exact(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 3)[2]  # long enough for a few cache blocks
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0)
+    async with LocalEngine(tiny_model) as engine:
+        first = await engine.generate(prompt, sampling, "turn1")
+        follow_up = prompt + first.output_ids + tokenizer.encode("\ntool says 42\n", add_special_tokens=False)
+        second = await engine.generate(follow_up, sampling, "turn2")
+        cached = engine.stats.cached_tokens
+    assert cached >= len(prompt) + len(first.output_ids) - 32 - 1  # all but the last partial block
+    expected = recomputed_logprobs(tiny_model, follow_up, second.output_ids)
+    assert second.output_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_prompts_sharing_a_system_prompt_share_its_cache(tiny_model, tokenizer):
+    system = tokenizer.encode("You are a careful calculator user. " * 4, add_special_tokens=False)
+    first, second = system + [40, 41, 42], system + [50, 51]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    async with LocalEngine(tiny_model) as engine:
+        await engine.generate(first, greedy, "a")
+        with_cache = await engine.generate(second, greedy, "b")
+        assert engine.stats.cached_tokens == len(system) // 32 * 32
+    async with LocalEngine(tiny_model, LocalEngineConfig(prefix_cache_mb=0)) as engine:
+        await engine.generate(first, greedy, "a")
+        without_cache = await engine.generate(second, greedy, "b")
+        assert engine.stats.cached_tokens == 0
+    assert with_cache.output_ids == without_cache.output_ids
+
+
+async def test_weight_update_empties_the_prefix_cache(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 3)[2]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0)
+    async with LocalEngine(tiny_model) as engine:
+        await engine.generate(prompt, greedy, "a")
+        await engine.update_weights(tiny_model.state_dict())
+        await engine.generate(prompt, greedy, "b")
+        assert engine.stats.cached_tokens == 0
+
+
+async def test_one_prefill_mixes_different_cache_hits_and_misses(tiny_model, tokenizer):
+    short, long = prompts(tokenizer, 3)[1], prompts(tokenizer, 4)[3]
+    sampling = SamplingParams(max_new_tokens=20, temperature=1.0)
+    async with LocalEngine(tiny_model) as engine:
+        done = await asyncio.gather(engine.generate(short, sampling, "a"), engine.generate(long, sampling, "b"))
+        batch = [
+            short + done[0].output_ids + [40, 41],
+            long + done[1].output_ids + [42],
+            tokenizer.encode("a fresh prompt that nothing has cached yet", add_special_tokens=False),
+        ]
+        generations = await asyncio.gather(*(engine.generate(p, sampling, f"n{i}") for i, p in enumerate(batch)))
+        assert engine.stats.prefills == 2  # the three were admitted together
+        assert engine.stats.cached_tokens > 0
+    for prompt, generation in zip(batch, generations, strict=True):
+        expected = recomputed_logprobs(tiny_model, prompt, generation.output_ids)
+        assert generation.output_logprobs == pytest.approx(expected, abs=1e-4)

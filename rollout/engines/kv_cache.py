@@ -10,6 +10,9 @@ Keys are stored after rotary embedding, so gaps do not disturb positions.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -98,27 +101,128 @@ class KVBuffer:
         self.mask[:rows, :new_width] = torch.arange(new_width, device=self.device)[None, :] < counts[:, None]
         self.width = new_width
 
-    def view(self, rows: slice, start: int) -> _BufferView:
-        """A transformers ``Cache`` writing new keys at column ``start`` of ``rows``."""
+    def row_kv(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one row's first ``length`` valid keys and values per layer ([heads, length, dim])."""
+        columns = self.mask[row, : self.width].nonzero().squeeze(1)[:length]
+        keys = [layer[row].index_select(1, columns) for layer in self.keys]
+        values = [layer[row].index_select(1, columns) for layer in self.values]
+        return keys, values
+
+    def load_row(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Put the first ``length`` cached positions into columns ``0 .. length`` of ``row``."""
+        for layer in range(self.num_layers):
+            self.keys[layer][row, :, :length] = keys[layer][:, :length]
+            self.values[layer][row, :, :length] = values[layer][:, :length]
+
+    def view(self, rows: slice, start: int | torch.Tensor) -> _BufferView:
+        """A transformers ``Cache`` writing the new keys of ``rows`` from column ``start``
+        (one column for all rows, or a tensor with one start per row)."""
         return _BufferView(self, rows, start)
 
 
 class _BufferView(Cache):
-    """The ``Cache`` the model sees for one forward: writes in place, returns columns ``0 .. start+q``."""
+    """The ``Cache`` the model sees for one forward: writes in place, returns columns ``0 .. end``."""
 
-    def __init__(self, buffer: KVBuffer, rows: slice, start: int):
+    def __init__(self, buffer: KVBuffer, rows: slice, start: int | torch.Tensor):
         super().__init__(layers=[])
         self.buffer, self.rows, self.start = buffer, rows, start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        end = self.start + key_states.shape[-2]
         keys, values = self.buffer.keys[layer_idx], self.buffer.values[layer_idx]
-        keys[self.rows, :, self.start : end] = key_states
-        values[self.rows, :, self.start : end] = value_states
+        length = key_states.shape[-2]
+        if isinstance(self.start, int):
+            end = self.start + length
+            keys[self.rows, :, self.start : end] = key_states
+            values[self.rows, :, self.start : end] = value_states
+        else:  # per-row starts: scatter [rows, heads, q, dim] into each row's own columns
+            end = int(self.start.max()) + length
+            row_index = torch.arange(self.rows.start, self.rows.stop, device=keys.device)[:, None]
+            col_index = self.start[:, None] + torch.arange(length, device=keys.device)[None, :]
+            keys[row_index, :, col_index] = key_states.transpose(1, 2)
+            values[row_index, :, col_index] = value_states.transpose(1, 2)
         return keys[self.rows, :, :end], values[self.rows, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.start
+        return self.start if isinstance(self.start, int) else int(self.start.max())
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.start + query_length, 0
+        return self.get_seq_length() + query_length, 0
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hashes: list[int]
+    nbytes: int
+
+
+class PrefixCache:
+    """KV of finished sequences, reused by later prompts that start with the same tokens.
+
+    The next turn of a conversation starts with the whole previous turn, and the prompts of
+    a rollout share their system prompt, so most of a prompt is usually cached. Matching is
+    by hash chains over blocks of ``block`` tokens (verified token by token); eviction is
+    least-recently-used within ``max_bytes``. The cache must be cleared when weights change.
+    """
+
+    def __init__(self, max_bytes: int, block: int = 32):
+        self.max_bytes, self.block = max_bytes, block
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._index: dict[int, int] = {}  # block-chain hash -> entry id
+        self._next_id = 0
+        self.nbytes = 0
+
+    def _chain(self, tokens: list[int]) -> list[int]:
+        hashes, h, block = [], 0, self.block
+        for start in range(0, len(tokens) - block + 1, block):
+            h = hash((h, *tokens[start : start + block]))
+            hashes.append(h)
+        return hashes
+
+    def lookup(self, prompt: list[int]) -> tuple[_Entry | None, int]:
+        """The entry holding the longest cached block-aligned prefix of ``prompt`` (leaving at
+        least one token to compute) and that prefix's length."""
+        found, length = None, 0
+        for i, h in enumerate(self._chain(prompt[:-1])):
+            entry_id = self._index.get(h)
+            if entry_id is None:
+                break
+            end = (i + 1) * self.block
+            entry = self._entries[entry_id]
+            if entry.tokens[:end] != prompt[:end]:
+                break
+            found, length = entry_id, end
+        if found is None:
+            return None, 0
+        self._entries.move_to_end(found)
+        return self._entries[found], length
+
+    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        if len(tokens) < self.block or nbytes > self.max_bytes:
+            return
+        hashes = self._chain(tokens)
+        entry_id, self._next_id = self._next_id, self._next_id + 1
+        self._entries[entry_id] = _Entry(tokens, keys, values, hashes, nbytes)
+        for h in hashes:
+            self._index[h] = entry_id
+        self.nbytes += nbytes
+        while self.nbytes > self.max_bytes:
+            self._evict(next(iter(self._entries)))
+
+    def _evict(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self.nbytes -= entry.nbytes
+        for h in entry.hashes:
+            if self._index.get(h) == entry_id:
+                del self._index[h]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._index.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.kv_cache import KVBuffer
+from rollout.engines.kv_cache import KVBuffer, PrefixCache
 
 
 @dataclass
@@ -41,6 +41,8 @@ class LocalEngineConfig:
     """"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16"."""
     seed: int = 0
     """Seed of the sampling generator."""
+    prefix_cache_mb: int = 512
+    """Memory for the KV of finished sequences, reused by prompts that extend them (0 = off)."""
 
 
 @dataclass
@@ -71,7 +73,8 @@ class EngineStats:
     steps: int = 0
     prefills: int = 0
     generated_tokens: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     busy_s: float = 0.0
     peak_batch: int = 0
 
@@ -143,6 +146,7 @@ class LocalEngine:
             self.dtype,
             self.device,
         )
+        self._prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
         self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index == KV row
@@ -313,6 +317,7 @@ class LocalEngine:
         _, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if unexpected:
             raise EngineError(f"update_weights: unknown parameters {sorted(unexpected)[:5]}")
+        self._prefix_cache.clear()  # cached keys and values came from the old weights
         self.weight_version = version
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
@@ -329,32 +334,46 @@ class LocalEngine:
         return hidden
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
+        """Compute the admitted prompts (less what the prefix cache has) into new rows, and
+        sample each one's first token."""
         kv, device = self._kv, self.device
-        count, longest = len(admitted), max(len(s.prompt_ids) for s in admitted)
-        first = kv.num_rows
-        kv.reserve(first + count, max(kv.width, longest) + 1)
-        lengths = torch.tensor([len(s.prompt_ids) for s in admitted], device=device)
-        input_ids = torch.zeros(count, longest, dtype=torch.long, device=device)
-        for i, seq in enumerate(admitted):
-            input_ids[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids, device=device)
-        cols = torch.arange(longest, device=device)
-        valid = cols[None, :] < lengths[:, None]  # [count, longest]
-        causal = cols[None, :] <= cols[:, None]  # [q, k]
-        mask = causal[None] & valid[:, None, :]
+        count, first = len(admitted), kv.num_rows
+        cached = [self._prefix_cache.lookup(seq.prompt_ids) for seq in admitted]
+        starts = [length for _, length in cached]
+        lengths = [len(seq.prompt_ids) for seq in admitted]
+        query = max(n - start for n, start in zip(lengths, starts, strict=True))
+        kv.reserve(first + count, max(kv.width, max(lengths), max(starts) + query) + 1)
+        input_ids = torch.zeros(count, query, dtype=torch.long, device=device)
+        for i, (seq, (entry, start)) in enumerate(zip(admitted, cached, strict=True)):
+            input_ids[i, : lengths[i] - start] = torch.tensor(seq.prompt_ids[start:], device=device)
+            if entry is not None:
+                kv.load_row(first + i, entry.keys, entry.values, start)
+        start_t = torch.tensor(starts, device=device)
+        positions = start_t[:, None] + torch.arange(query, device=device)[None, :]  # [count, query]
+        end = int(positions.max()) + 1
+        mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]  # [count, query, end]
         rows = slice(first, first + count)
-        hidden = self._forward(input_ids, cols.expand(count, -1), mask, kv.view(rows, 0))
-        last = self._lm_head(hidden[torch.arange(count, device=device), lengths - 1])
-        kv.mask[rows, :longest] = valid
+        start: int | torch.Tensor = starts[0] if len(set(starts)) == 1 else start_t
+        hidden = self._forward(input_ids, positions, mask, kv.view(rows, start))
+        last = torch.tensor([n - s - 1 for n, s in zip(lengths, starts, strict=True)], device=device)
+        logits = self._lm_head(hidden[torch.arange(count, device=device), last])
+        for i, n in enumerate(lengths):
+            kv.mask[first + i, :n] = True
         kv.num_rows += count
-        kv.width = max(kv.width, longest)
-        tokens, logprobs = sample_tokens(last, [s.sampling for s in admitted], self._generator)
+        kv.width = max(kv.width, max(lengths))
+        if self.config.prefix_cache_mb > 0:  # later prompts of the same wave share the system prompt
+            for i, seq in enumerate(admitted):
+                if lengths[i] - starts[i] >= self._prefix_cache.block:
+                    self._prefix_cache.insert(seq.prompt_ids, *kv.row_kv(first + i, lengths[i]))
+        tokens, logprobs = sample_tokens(logits, [s.sampling for s in admitted], self._generator)
         for seq, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.row = len(self._running)
             seq.length = len(seq.prompt_ids)
             self._running.append(seq)
             seq.emit(token, logprob, self.max_model_len)
         self.stats.prefills += 1
-        self.stats.prefill_tokens += int(lengths.sum())
+        self.stats.prefill_tokens += sum(lengths) - sum(starts)
+        self.stats.cached_tokens += sum(starts)
         self.stats.generated_tokens += count
 
     def _decode(self) -> None:
@@ -385,6 +404,9 @@ class LocalEngine:
         """Remove finished sequences from the batch (and their KV rows)."""
         done = [s for s in self._running if s.finish is not None]
         for seq in done:
+            if self.config.prefix_cache_mb > 0:  # keep its keys and values for the next turn
+                tokens = (seq.prompt_ids + seq.output_ids)[: seq.length]
+                self._prefix_cache.insert(tokens, *self._kv.row_kv(seq.row, seq.length))
             moved = self._kv.remove_row(seq.row)
             last = self._running.pop()
             if moved is not None:
