@@ -97,6 +97,8 @@ def rollout(
         )
     except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
         raise _fail(str(exc)) from None
+    except ValueError as exc:  # a setting out of range (RolloutConfig, SamplingParams)
+        raise _fail(f"bad option: {exc}") from None
     console.print(result.summary.table())
     console.print(f"wrote {len(result.requests)} trajectories to {out}")
 

@@ -48,6 +48,16 @@ class RolloutConfig:
     check_consistency: bool = True
     """Re-render each finished conversation and record any token difference."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_parallel_calls", "max_tool_response_chars", "max_new_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tool_timeout_s", "tool_reward_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # same checks as the engines'
+        get_parser(self.tool_parser)  # an unknown name fails here, not in every request
+
 
 RewardFn = Callable[[AsyncRolloutRequest], float]
 

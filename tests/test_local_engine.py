@@ -110,11 +110,18 @@ async def test_update_weights_changes_outputs_and_the_weight_version(tiny_model,
     assert before.output_ids != after.output_ids
 
 
-async def test_update_weights_rejects_unknown_parameters(tiny_model):
+async def test_bad_weight_update_is_refused_without_hurting_requests_in_flight(tiny_model, tokenizer):
+    prompt = prompts(tokenizer, 1)[0]
     async with LocalEngine(tiny_model) as engine:
+        running = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=200), "r"))
+        await asyncio.sleep(0.05)
         with pytest.raises(EngineError, match="unknown parameters"):
             await engine.update_weights({"not.a.weight": torch.zeros(1)})
+        with pytest.raises(EngineError, match=r"lm_head.weight has shape \(3,\)"):
+            await engine.update_weights({"lm_head.weight": torch.zeros(3)})
+        generation = await running
         assert await engine.health()
+    assert len(generation.output_ids) == 200 and engine.weight_version == 0
 
 
 async def test_generate_outside_async_with_is_a_clear_error(tiny_model):

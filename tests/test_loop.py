@@ -194,3 +194,17 @@ async def test_long_tool_output_is_truncated_in_the_middle(chat, tool):
 
 def test_truncate_middle_keeps_short_text():
     assert truncate_middle("short", 10) == "short"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_turns": 0}, "max_turns must be >= 1"),
+        ({"tool_timeout_s": 0}, "tool_timeout_s must be > 0"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"tool_parser": "nope"}, "unknown tool parser 'nope'"),
+    ],
+)
+def test_bad_settings_are_refused_when_the_config_is_made(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**settings)

@@ -178,13 +178,15 @@ class LocalEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._executor is not None:  # let a step still running on the worker finish first
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+            self._executor = None
         for seq in [*self._waiting, *self._running]:
             self._resolve(seq, "abort")
         self._waiting.clear()
         self._running.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._kv.num_rows = self._kv.width = 0
+        self._kv.mask.zero_()
 
     # ----- the Engine protocol -------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class LocalEngine:
             raise
 
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        self._check_weights(state_dict)  # a bad update must not reach the batch (and fail its requests)
         version = self.weight_version + 1 if weight_version is None else weight_version
         if self._task is None:
             self._load_weights(state_dict, version)
@@ -313,10 +316,21 @@ class LocalEngine:
             finished += self._retire()
         return finished
 
+    def _check_weights(self, state_dict: dict[str, Any]) -> None:
+        current = self.model.state_dict()
+        unknown = sorted(set(state_dict) - set(current))
+        if unknown:
+            raise EngineError(f"update_weights: unknown parameters {unknown[:5]}")
+        wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
+        if wrong:
+            name = wrong[0]
+            raise EngineError(
+                f"update_weights: {name} has shape {tuple(state_dict[name].shape)}, "
+                f"the model's is {tuple(current[name].shape)}"
+            )
+
     def _load_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        _, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        if unexpected:
-            raise EngineError(f"update_weights: unknown parameters {sorted(unexpected)[:5]}")
+        self.model.load_state_dict(state_dict, strict=False)
         self._prefix_cache.clear()  # cached keys and values came from the old weights
         self.weight_version = version
 
