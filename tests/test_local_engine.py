@@ -199,3 +199,20 @@ async def test_one_prefill_mixes_different_cache_hits_and_misses(tiny_model, tok
     for prompt, generation in zip(batch, generations, strict=True):
         expected = recomputed_logprobs(tiny_model, prompt, generation.output_ids)
         assert generation.output_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_model, tokenizer, monkeypatch):
+    prompt = prompts(tokenizer, 1)[0]
+    sampling = SamplingParams(max_new_tokens=5, temperature=0)
+    async with LocalEngine(tiny_model) as engine:
+        real_decode = engine._decode
+
+        def broken_decode() -> None:
+            monkeypatch.setattr(engine, "_decode", real_decode)  # fail once
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(engine, "_decode", broken_decode)
+        with pytest.raises(EngineError, match="local engine step failed: RuntimeError\\('out of memory'\\)"):
+            await engine.generate(prompt, sampling, "a")
+        after = await engine.generate(prompt, sampling, "b")
+    assert after.finish_reason == "length" and len(after.output_ids) == 5

@@ -82,6 +82,12 @@ class KVBuffer:
             self.width = 0
         return moved
 
+    @torch.inference_mode()
+    def clear(self) -> None:
+        """Forget every row (the buffers were made in inference mode, so reset them in it)."""
+        self.mask.zero_()
+        self.num_rows = self.width = 0
+
     def compact(self) -> None:
         """Move every row's valid columns to the front, shrinking ``width`` to the longest row."""
         rows, width = self.num_rows, self.width

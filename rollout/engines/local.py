@@ -185,8 +185,7 @@ class LocalEngine:
             self._resolve(seq, "abort")
         self._waiting.clear()
         self._running.clear()
-        self._kv.num_rows = self._kv.width = 0
-        self._kv.mask.zero_()
+        self._kv.clear()
 
     # ----- the Engine protocol -------------------------------------------------------------
 
@@ -245,8 +244,7 @@ class LocalEngine:
                     if not seq.future.done():
                         seq.future.set_exception(EngineError(f"local engine step failed: {exc!r}"))
                 self._running.clear()
-                self._kv.num_rows = self._kv.width = 0
-                self._kv.mask.zero_()
+                self._kv.clear()
                 for _, _, future in weights:
                     if not future.done():
                         future.set_exception(EngineError(f"weight update failed: {exc!r}"))
