@@ -237,13 +237,10 @@ class CalculatorTool(BaseTool):
     def default_schema(cls) -> dict[str, Any]:
         return function_schema(
             "calculator",
-            "Evaluate an arithmetic expression exactly: integers of any size, fractions and decimals, "
-            "with + - * / // % ** (or ^) and parentheses. Example: (123456789 * 987654321) / 7",
+            "Exact arithmetic: + - * / // % ** and parentheses.",
             {
                 "type": "object",
-                "properties": {
-                    "expression": {"type": "string", "description": "the expression, e.g. '3*(4+5)/2'"},
-                },
+                "properties": {"expression": {"type": "string"}},
                 "required": ["expression"],
             },
         )
