@@ -152,6 +152,102 @@ def _load_prompts(task: str | None, data: Path | None, num_prompts: int | None, 
         raise UserError(f"--task: {exc}") from None
 
 
+@app.command()
+def train(
+    config: Path = typer.Option(None, help="YAML file of GRPOConfig fields (trainer/config.py)."),
+    steps: int = typer.Option(None, help="GRPO steps."),
+    out: Path = typer.Option(None, help="Run directory (metrics.jsonl, checkpoints/, final/, curves.png)."),
+    resume: bool = typer.Option(False, help="Continue from the last checkpoint in --out."),
+    model: Path = typer.Option(None, help="Model directory to start from (default: the embedded model)."),
+    task: str = typer.Option(None, help="Synthetic task (default: calc)."),
+    data: Path = typer.Option(None, help="Dataset file instead of a task."),
+    prompts_per_step: int = typer.Option(None, help="Prompts (groups) per step."),
+    samples_per_prompt: int = typer.Option(None, "-n", "--samples-per-prompt", help="Samples per prompt."),
+    lr: float = typer.Option(None, help="Learning rate."),
+    seed: int = typer.Option(None, help="Seed."),
+) -> None:
+    """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
+    from data.schema import RecordError
+    from trainer.config import load_config
+    from trainer.grpo import train as run_train
+
+    overrides = {
+        "steps": steps,
+        "out": str(out) if out else None,
+        "model": str(model) if model else None,
+        "task": task,
+        "data": str(data) if data else None,
+        "prompts_per_step": prompts_per_step,
+        "samples_per_prompt": samples_per_prompt,
+        "lr": lr,
+        "seed": seed,
+    }
+    try:
+        grpo_config = load_config(config, overrides)
+        history = run_train(grpo_config, resume=resume)
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    if history:
+        last = history[-1]
+        console.print(f"done: step {last['step']}, accuracy {last['accuracy']:.3f}; model in {grpo_config.out}/final")
+
+
+@app.command("eval")
+def evaluate(
+    model: Path = typer.Option(None, help="Model directory (default: the embedded model)."),
+    task: str = typer.Option(None, help="Synthetic task (default: calc)."),
+    data: Path = typer.Option(None, help="Dataset file instead of a task."),
+    num_prompts: int = typer.Option(None, help="Prompts (default: 300 for a task, all for --data)."),
+    seed: int = typer.Option(12345, help="Seed of the task's prompts (keep it apart from training seeds)."),
+    samples: int = typer.Option(4, "-n", "--samples", help="Samples per prompt for pass@k."),
+    tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
+    max_turns: int = typer.Option(3, help="Most assistant turns per request."),
+    max_new_tokens: int = typer.Option(96, help="Most tokens per assistant turn."),
+    json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here."),
+    progress: bool = typer.Option(True, help="Show progress bars."),
+) -> None:
+    """Greedy accuracy and unbiased pass@k of a model on a task or dataset."""
+    from data.schema import RecordError
+    from rollout.engines.base import EngineError
+    from rollout.tokens import TemplateError
+    from tools.registry import ToolConfigError
+
+    try:
+        if task is not None and data is not None:
+            raise UserError("give --task or --data, not both")
+        if samples < 1:
+            raise UserError(f"-n must be >= 1, got {samples}")
+        model_dir = _resolve_model(model)
+        records = _load_prompts(task, data, num_prompts or (None if data else 300), seed)
+        report = asyncio.run(
+            _local_eval(model_dir, records, samples, tools, max_turns, max_new_tokens, progress)
+        )
+    except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(
+        f"{model_dir}: greedy accuracy {report['accuracy']:.3f} on {report['prompts']} prompts; "
+        + ", ".join(f"pass@{k} {v:.3f}" for k, v in report["pass_at_k"].items())
+    )
+    if json_out is not None:
+        tmp = json_out.with_name(json_out.name + ".tmp")
+        tmp.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        tmp.replace(json_out)
+
+
+async def _local_eval(model_dir, records, samples, tools_path, max_turns, max_new_tokens, progress):
+    from rollout.engines.local import LocalEngine, LocalEngineConfig
+    from rollout.loop import RolloutConfig
+    from rollout.tokens import ChatTokenizer, load_tokenizer
+    from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
+    from trainer.evaluation import evaluate as run_eval
+
+    tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+    chat = ChatTokenizer(load_tokenizer(model_dir), [tool.schema for tool in tools.values()])
+    config = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=1.0)
+    async with LocalEngine.from_pretrained(model_dir, LocalEngineConfig(max_batch_size=256)) as engine:
+        return await run_eval(engine, chat, tools, records, config, samples=samples, progress=progress)
+
+
 @app.command("new-model")
 def new_model(
     directory: Path = typer.Argument(..., help="Where to write the model and tokenizer."),

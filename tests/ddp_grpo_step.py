@@ -1,0 +1,35 @@
+"""One GRPO step, run by tests/test_grpo_ddp.py under `accelerate launch` (1 or 2 processes).
+
+Greedy rollouts and a reward that depends only on the sample index make the global batch the
+same however the prompts are split, so the updates must match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import torch
+
+from trainer.config import GRPOConfig
+from trainer.grpo import GRPOTrainer
+
+
+def by_sample(request) -> float:
+    return float(request.sample_index % 2) + 0.25 * (request.prompt_index % 3)
+
+
+def main(model_dir: str, out_dir: str, result: str) -> None:
+    config = GRPOConfig(
+        model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2, max_turns=1,
+        max_new_tokens=8, max_model_len=768, temperature=0.0, micro_batch_size=3, lr=1e-2, seed=5,
+        filter_groups=False, checkpoint_every=0, tis_cap=None,
+    )  # fmt: skip
+    trainer = GRPOTrainer(config, reward_fn=by_sample)
+    history = asyncio.run(trainer.train())
+    if trainer.is_main:
+        torch.save({"state": trainer.policy_state_dict(), "metrics": history[-1]}, result)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,147 @@
+"""Trajectories -> training samples -> padded tensors.
+
+A trajectory is ``prompt_ids + response_ids`` with ``loss_mask`` over the response: 1 on the
+tokens the engine generated. Each contiguous run of 1s is one assistant turn (a *step*).
+
+- ``trajectory`` mode: one sample per trajectory, every step trained.
+- stepwise modes (``broadcast``, ``per_step``): one sample per step — the conversation up to
+  the end of that step, with only that step's tokens masked in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.request import AsyncRolloutRequest
+
+
+@dataclass
+class Sample:
+    """One training sequence. ``loss_mask[i]`` says whether token ``i`` is trained on (predicted
+    from the tokens before it); ``engine_logprobs[i]`` is the engine's logprob for it (0.0 where
+    masked out)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    engine_logprobs: list[float]
+    advantage: float = 0.0
+    group_id: int = 0
+    trajectory_index: int = 0
+    step_index: int = 0
+    meta: dict[str, float] = field(default_factory=dict)
+
+
+def step_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each contiguous run of 1s (each assistant turn) in a response mask."""
+    spans, start = [], None
+    for i, m in enumerate(loss_mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(loss_mask)))
+    return spans
+
+
+def step_rewards(request: AsyncRolloutRequest) -> list[float]:
+    """r_t per assistant turn: the step rewards of the tool calls made in that turn, plus the
+    final reward on the last turn."""
+    turns = len(step_spans(request.loss_mask))
+    rewards = [0.0] * turns
+    for call in request.tool_calls:
+        if 1 <= call.turn <= turns:
+            rewards[call.turn - 1] += call.reward
+    if turns:
+        rewards[-1] += request.rewards.final
+    return rewards
+
+
+def _engine_logprobs(request: AsyncRolloutRequest) -> list[float]:
+    return [0.0] * len(request.prompt_ids) + [lp if lp is not None else 0.0 for lp in request.logprobs]
+
+
+def trajectory_sample(request: AsyncRolloutRequest, trajectory_index: int, advantage: float) -> Sample:
+    """The whole trajectory as one sample, all of its steps trained."""
+    return Sample(
+        input_ids=request.prompt_ids + request.response_ids,
+        loss_mask=[0] * len(request.prompt_ids) + list(request.loss_mask),
+        engine_logprobs=_engine_logprobs(request),
+        advantage=advantage,
+        group_id=request.prompt_index,
+        trajectory_index=trajectory_index,
+    )
+
+
+def step_samples(request: AsyncRolloutRequest, trajectory_index: int, advantages: list[float]) -> list[Sample]:
+    """One sample per assistant turn: the conversation up to the end of that turn, only that
+    turn's tokens masked in. ``advantages[t]`` goes with turn ``t``."""
+    offset = len(request.prompt_ids)
+    ids = request.prompt_ids + request.response_ids
+    logprobs = _engine_logprobs(request)
+    samples = []
+    for t, (start, end) in enumerate(step_spans(request.loss_mask)):
+        mask = [0] * (offset + start) + [1] * (end - start)
+        samples.append(
+            Sample(
+                input_ids=ids[: offset + end],
+                loss_mask=mask,
+                engine_logprobs=logprobs[: offset + end],
+                advantage=advantages[t],
+                group_id=request.prompt_index,
+                trajectory_index=trajectory_index,
+                step_index=t,
+            )
+        )
+    return samples
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded tensors of a list of samples, all [B, L] but ``advantages`` [B]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+    @property
+    def num_tokens(self) -> int:
+        """Trained tokens (mask 1) in the batch."""
+        return int(self.loss_mask.sum())
+
+
+def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
+    """Pad ``samples`` on the right into a TrainBatch."""
+    length = max(len(s.input_ids) for s in samples)
+    count = len(samples)
+    input_ids = torch.full((count, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(count, length, dtype=torch.long)
+    loss_mask = torch.zeros(count, length, dtype=torch.float32)
+    engine_logprobs = torch.zeros(count, length, dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[i, :n] = torch.tensor(sample.input_ids)
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        engine_logprobs[i, :n] = torch.tensor(sample.engine_logprobs)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return TrainBatch(input_ids, attention_mask, position_ids, loss_mask, engine_logprobs, advantages)
+
+
+def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    """Consecutive chunks of at most ``size`` samples, sorted by length so padding stays small."""
+    ordered = sorted(samples, key=lambda s: len(s.input_ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
