@@ -219,9 +219,7 @@ def evaluate(
             raise UserError(f"-n must be >= 1, got {samples}")
         model_dir = _resolve_model(model)
         records = _load_prompts(task, data, num_prompts or (None if data else 300), seed)
-        report = asyncio.run(
-            _local_eval(model_dir, records, samples, tools, max_turns, max_new_tokens, progress)
-        )
+        report = asyncio.run(_local_eval(model_dir, records, samples, tools, max_turns, max_new_tokens, progress))
     except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
         raise _fail(str(exc)) from None
     console.print(

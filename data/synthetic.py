@@ -8,8 +8,11 @@ answer is an exact (non-negative) integer. Records are drawn one after another f
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from collections.abc import Callable
+from typing import Any
 
 from data.schema import Record
 
@@ -94,6 +97,45 @@ def _interleave(operands: list[int], operators: list[str]) -> list[str]:
     for operator, operand in zip(operators, operands[1:], strict=True):
         parts += [operator, str(operand)]
     return parts
+
+
+def spaced_expression(expression: str) -> str:
+    """``616+388*873`` -> ``616 + 388 * 873``: the form the question shows."""
+    return " ".join(re.findall(r"\d+|[+\-*]", expression))
+
+
+def calc_trace(record: Record) -> list[dict[str, Any]]:
+    """The full conversation a good agent has for a calc record (what SFT imitates).
+
+    The record's prompt, one calculator call whose expression is copied verbatim from the
+    question, the calculator's exact result as the tool message, and ``\\boxed{result}``.
+    """
+    from tools.calculator import evaluate, format_number  # tools imports data; keep data importable alone
+
+    if "expression" not in record.extra:
+        raise ValueError(f"record {record.index}: not a calc record (no extra.expression)")
+    expression = spaced_expression(record.extra["expression"])
+    question = record.prompt[-1]["content"]
+    if expression not in question:
+        raise ValueError(f"record {record.index}: the question {question!r} does not show {expression!r}")
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    result = format_number(evaluate(expression))
+    return [
+        *(dict(message) for message in record.prompt),
+        {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": f"\\boxed{{{result}}}"},
+    ]
+
+
+def make_calc_sft_records(
+    num: int, seed: int = 0, *, min_digits: int = 3, max_digits: int = 4, max_ops: int = 2
+) -> list[Record]:
+    """``make_calc_records`` with each ``prompt`` replaced by its full :func:`calc_trace` conversation."""
+    records = make_calc_records(num, seed, min_digits=min_digits, max_digits=max_digits, max_ops=max_ops)
+    for record in records:
+        record.prompt = calc_trace(record)
+    return records
 
 
 TASKS: dict[str, Callable[[int, int], list[Record]]] = {"calc": make_calc_records}

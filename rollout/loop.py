@@ -47,6 +47,9 @@ class RolloutConfig:
     """Limit for each tool's calc_reward and release."""
     check_consistency: bool = True
     """Re-render each finished conversation and record any token difference."""
+    seed: int | None = None
+    """With a seed, each turn samples with its own seed derived from (seed, prompt index, sample
+    index, turn): the same tokens however requests are batched or split over processes."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_parallel_calls", "max_tool_response_chars", "max_new_tokens", "max_model_len"):
@@ -125,6 +128,7 @@ async def _converse(
             top_p=config.top_p,
             top_k=config.top_k,
             stop_token_ids=chat.stop_token_ids,
+            seed=None if config.seed is None else turn_seed(config.seed, request, request.metrics.turns),
         )
         generation = await engine.generate(request.all_ids, sampling, request.request_id)
         if generation.output_ids:
@@ -207,6 +211,11 @@ async def _call_tool(
     record.text = truncate_middle(record.text, config.max_tool_response_chars)
     record.latency_s = time.monotonic() - started
     return record
+
+
+def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
+    """A sampling seed for one turn of one (prompt, sample), stable across runs and processes."""
+    return (seed * 1_000_003 + request.prompt_index * 10_007 + request.sample_index * 101 + turn) % 2**62
 
 
 def truncate_middle(text: str, limit: int) -> str:

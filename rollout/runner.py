@@ -117,14 +117,25 @@ class RolloutRunner:
         self.progress = progress
         self.console = console or Console(stderr=True)
 
-    async def run(self, records: list[Record], n: int = 1, out_path: str | Path | None = None) -> RolloutResult:
-        """Roll out every record ``n`` times; stream finished trajectories to ``out_path`` (JSONL)."""
+    async def run(
+        self,
+        records: list[Record],
+        n: int = 1,
+        out_path: str | Path | None = None,
+        prompt_indices: list[int] | None = None,
+    ) -> RolloutResult:
+        """Roll out every record ``n`` times; stream finished trajectories to ``out_path`` (JSONL).
+        ``prompt_indices`` numbers the records (default 0, 1, ...), e.g. by their place in a
+        batch split over processes."""
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        indices = list(range(len(records))) if prompt_indices is None else prompt_indices
+        if len(indices) != len(records):
+            raise ValueError(f"{len(indices)} prompt indices for {len(records)} records")
         run_id = uuid.uuid4().hex[:8]
         requests = [
             request_from_record(record, prompt_index, sample_index, f"{run_id}-{prompt_index}-{sample_index}")
-            for prompt_index, record in enumerate(records)
+            for prompt_index, record in zip(indices, records, strict=True)
             for sample_index in range(n)
         ]
         semaphore = asyncio.Semaphore(self.max_concurrency)

@@ -1,7 +1,7 @@
 """One GRPO step, run by tests/test_grpo_ddp.py under `accelerate launch` (1 or 2 processes).
 
-Greedy rollouts and a reward that depends only on the sample index make the global batch the
-same however the prompts are split, so the updates must match.
+Seeded sampling (per prompt, sample and turn) and a reward that depends only on the indices make
+the global batch the same however the prompts are split, so the updates must match.
 """
 
 from __future__ import annotations
@@ -22,13 +22,23 @@ def by_sample(request) -> float:
 def main(model_dir: str, out_dir: str, result: str) -> None:
     config = GRPOConfig(
         model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2, max_turns=1,
-        max_new_tokens=8, max_model_len=768, temperature=0.0, micro_batch_size=3, lr=1e-2, seed=5,
+        max_new_tokens=8, max_model_len=768, temperature=1.0, micro_batch_size=3, lr=1e-2, seed=5,
         filter_groups=False, checkpoint_every=0, tis_cap=None,
     )  # fmt: skip
     trainer = GRPOTrainer(config, reward_fn=by_sample)
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def capture_then_step(*args, **kwargs):  # the (all-reduced) gradient the update is made from
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        grads.update({name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture_then_step
     history = asyncio.run(trainer.train())
     if trainer.is_main:
-        torch.save({"state": trainer.policy_state_dict(), "metrics": history[-1]}, result)
+        processes = trainer.accelerator.num_processes
+        torch.save({"grads": grads, "metrics": history[-1], "processes": processes}, result)
 
 
 if __name__ == "__main__":

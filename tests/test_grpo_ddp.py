@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from data.tiny_model import TinyModelConfig, save_tiny_model
 
@@ -22,8 +20,11 @@ def launch(processes: int, model_dir: Path, out: Path) -> dict:
     if accelerate is None:
         pytest.fail("the accelerate command is not installed")
     result = out / "result.pt"
+    # on a CPU machine, --multi_gpu starts torchrun workers and the trainer picks gloo; one process
+    # is a plain launch
+    spread = ["--multi_gpu"] if processes > 1 else []
     command = [
-        accelerate, "launch", "--cpu", "--num_processes", str(processes), "--num_machines", "1",
+        accelerate, "launch", *spread, "--num_processes", str(processes), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         str(SCRIPT), str(model_dir), str(out / "run"), str(result),
     ]  # fmt: skip
@@ -42,11 +43,11 @@ def test_two_process_update_equals_one_process_update(tmp_path):
     one = launch(1, model_dir, tmp_path / "one")
     two = launch(2, model_dir, tmp_path / "two")
     assert one["metrics"]["train_tokens"] == two["metrics"]["train_tokens"]
-    # Adam's first step hardly depends on the gradient's scale: compare the gradient itself too
     assert two["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
     assert one["metrics"]["trajectories"] == two["metrics"]["trajectories"] == 8
-    initial = load_file(model_dir / "model.safetensors")
-    moved = max(float((one["state"][name] - value).abs().max()) for name, value in initial.items())
-    assert moved > 1e-3  # the step did change the policy
-    for name, value in one["state"].items():
-        assert torch.allclose(value, two["state"][name], atol=2e-5, rtol=1e-4), name
+    assert (one["processes"], two["processes"]) == (1, 2)
+    scale = max(float(g.abs().max()) for g in one["grads"].values())
+    assert scale > 1e-3  # a real gradient, not float noise
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, grad in one["grads"].items():
+        assert torch.allclose(grad, two["grads"][name], atol=1e-5 * scale, rtol=1e-4), name

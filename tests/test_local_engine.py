@@ -216,3 +216,17 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
             await engine.generate(prompt, sampling, "a")
         after = await engine.generate(prompt, sampling, "b")
     assert after.finish_reason == "length" and len(after.output_ids) == 5
+
+
+async def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch(tiny_model, tokenizer):
+    batch = prompts(tokenizer, 6)
+    seeded = SamplingParams(max_new_tokens=15, temperature=1.0, seed=1234)
+    async with LocalEngine(tiny_model) as engine:
+        alone = await engine.generate(batch[0], seeded, "alone")
+        crowd = await asyncio.gather(
+            engine.generate(batch[0], seeded, "crowded"),
+            *(engine.generate(p, SamplingParams(max_new_tokens=15), f"o{i}") for i, p in enumerate(batch[1:])),
+        )
+        other_seed = await engine.generate(batch[0], SamplingParams(max_new_tokens=15, seed=99), "other")
+    assert crowd[0].output_ids == alone.output_ids
+    assert other_seed.output_ids != alone.output_ids

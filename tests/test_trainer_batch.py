@@ -41,7 +41,11 @@ def test_trajectory_sample_masks_exactly_the_engine_tokens():
 
 def test_each_step_sample_is_the_conversation_up_to_that_turn_with_only_its_tokens_masked():
     samples = step_samples(three_step_request(1.0), 0, [0.1, 0.2, 0.3])
-    assert [s.input_ids for s in samples] == [[1, 2, 10, 11], [1, 2, 10, 11, 0, 5, 12], [1, 2, 10, 11, 0, 5, 12, 0, 6, 13, 14]]
+    assert [s.input_ids for s in samples] == [
+        [1, 2, 10, 11],
+        [1, 2, 10, 11, 0, 5, 12],
+        [1, 2, 10, 11, 0, 5, 12, 0, 6, 13, 14],
+    ]
     assert [s.loss_mask for s in samples] == [
         [0, 0, 1, 1],
         [0, 0, 0, 0, 0, 0, 1],

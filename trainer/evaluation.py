@@ -60,8 +60,7 @@ async def evaluate(
         by_prompt = _correct_by_prompt([r for r in sampled.requests if r.rewards.answer is not None])
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= samples} | {samples})
         report["pass_at_k"] = {
-            str(k): sum(pass_at_k(len(c), sum(c), k) for c in by_prompt.values()) / max(len(by_prompt), 1)
-            for k in ks
+            str(k): sum(pass_at_k(len(c), sum(c), k) for c in by_prompt.values()) / max(len(by_prompt), 1) for k in ks
         }
         report["sampled"] = sampled.summary.to_dict()
     return report

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -91,7 +92,9 @@ class GRPOTrainer:
         self.config = config
         self.reward_fn = reward_fn
         self.console = console or Console(stderr=True, soft_wrap=True)
-        self.accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        # cpu=True without CUDA: under torchrun (`accelerate launch --multi_gpu`) that gives gloo ranks
+        cuda = torch.cuda.is_available()
+        self.accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
         set_seed(config.seed, device_specific=True)
         self.out = Path(config.out)
         model_dir = Path(config.model) if config.model else EMBEDDED_MODEL
@@ -149,10 +152,11 @@ class GRPOTrainer:
         drawn = math.ceil(wanted * config.oversample) if config.filter_groups else wanted
         prompts = self.prompts.take(drawn)
         mine = list(range(accelerator.process_index, drawn, accelerator.num_processes))
-        result = await runner.run([prompts[i] for i in mine], config.samples_per_prompt)
+        # group ids are global prompt positions in this step; sampling seeds follow them, so a
+        # step's rollouts do not depend on how prompts are split or batched
+        runner.config = dataclasses.replace(self.rollout_config, seed=config.seed * 100_003 + self.state.step)
+        result = await runner.run([prompts[i] for i in mine], config.samples_per_prompt, prompt_indices=mine)
         requests = result.requests
-        for request in requests:  # group ids are global prompt positions in this step
-            request.prompt_index = mine[request.prompt_index]
         rollout_s = time.monotonic() - started
 
         # 2. advantages (groups live on one process, so they are computed locally)
@@ -549,5 +553,3 @@ def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:
     """Run GRPO from a config (the ``rallyrl train`` entry point)."""
     trainer = GRPOTrainer(config)
     return asyncio.run(trainer.train(resume=resume))
-
-

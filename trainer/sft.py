@@ -458,9 +458,9 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
                 log.flush()
                 if progress is not None:
                     progress.update(task, loss=entry["loss"])
-                    progress.console.print(
-                        f"step {step:>5}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  grad {entry['grad_norm']:.2f}"
-                    )
+                console.print(
+                    f"step {step:>5}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  grad {entry['grad_norm']:.2f}"
+                )
 
             # checkpoint and held-out greedy evaluation
             if step % config.eval_every == 0 or step == config.steps:

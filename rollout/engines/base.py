@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    """Seed of this request's sampling: the same seed gives the same tokens whatever else is in
+    the batch (None: the engine's shared generator)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

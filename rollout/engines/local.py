@@ -56,6 +56,7 @@ class _Sequence:
     length: int = 0  # tokens in the KV cache (its next position)
     row: int = -1
     finish: str | None = None
+    generator: torch.Generator | None = None  # set when the request has its own sampling seed
 
     def emit(self, token: int, logprob: float, max_len: int) -> None:
         self.output_ids.append(token)
@@ -92,9 +93,13 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generator: torch.Generator,
+    row_generators: list[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token ids, their logprobs under logits / temperature)."""
+    """Sample one token per row; returns (token ids, their logprobs under logits / temperature).
+    Rows with their own generator in ``row_generators`` draw from it, the rest from ``generator``."""
     logits = logits.float()
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
     greedy = temps == 0
@@ -107,6 +112,9 @@ def sample_tokens(
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             probs = _filter_top_k_top_p(probs, top_k, top_p)
         sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        for row, own in enumerate(row_generators or []):
+            if own is not None:
+                sampled[row] = torch.multinomial(probs[row], 1, generator=own)[0]
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
@@ -377,7 +385,12 @@ class LocalEngine:
             for i, seq in enumerate(admitted):
                 if lengths[i] - starts[i] >= self._prefix_cache.block:
                     self._prefix_cache.insert(seq.prompt_ids, *kv.row_kv(first + i, lengths[i]))
-        tokens, logprobs = sample_tokens(logits, [s.sampling for s in admitted], self._generator)
+        for seq in admitted:
+            if seq.sampling.seed is not None:
+                seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
+        tokens, logprobs = sample_tokens(
+            logits, [s.sampling for s in admitted], self._generator, [s.generator for s in admitted]
+        )
         for seq, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.row = len(self._running)
             seq.length = len(seq.prompt_ids)
@@ -404,7 +417,9 @@ class LocalEngine:
         hidden = self._forward(input_ids, positions, mask, kv.view(slice(0, rows), column))
         kv.width = column + 1
         logits = self._lm_head(hidden[:, -1])
-        tokens, logprobs = sample_tokens(logits, [s.sampling for s in running], self._generator)
+        tokens, logprobs = sample_tokens(
+            logits, [s.sampling for s in running], self._generator, [s.generator for s in running]
+        )
         for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.length += 1
             seq.emit(token, logprob, self.max_model_len)

@@ -1,0 +1,261 @@
+"""Supervised fine-tuning: calc traces, the rollout token layout, the masked loss, a short run."""
+
+from __future__ import annotations
+
+import copy
+
+import orjson
+import pytest
+import torch
+
+from data.rewards import score_answer
+from data.schema import validate_record
+from data.synthetic import calc_trace, make_calc_records, make_calc_sft_records
+from data.tiny_model import TinyModelConfig, build_tiny_model
+from rollout.parsers import parse_hermes
+from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
+from rollout.tokens import load_tokenizer
+from tools.calculator import evaluate, format_number
+from trainer.sft import (
+    Batch,
+    SFTConfig,
+    calc_chat,
+    collate,
+    load_examples,
+    masked_cross_entropy,
+    run_sft,
+    sft_loss,
+    tokenize_conversation,
+)
+
+FIXTURE_MODEL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    return calc_chat(tokenizer)[0]
+
+
+@pytest.fixture
+def model(tokenizer):
+    return build_tiny_model(tokenizer, FIXTURE_MODEL).train()
+
+
+# ----- the calc trace ---------------------------------------------------------------------------
+
+
+def test_trace_calls_the_calculator_on_the_question_as_written_and_boxes_its_result():
+    for record in make_calc_records(30, seed=5):
+        trace = calc_trace(record)
+        assert trace[: len(record.prompt)] == record.prompt
+        call, tool, final = trace[len(record.prompt) :]
+        assert [call["role"], tool["role"], final["role"]] == ["assistant", "tool", "assistant"]
+        turn = parse_hermes(call["content"])
+        assert turn.content == "" and len(turn.calls) == 1 and turn.errors == []
+        assert turn.calls[0].name == "calculator"
+        expression = turn.calls[0].arguments["expression"]
+        assert expression in record.prompt[-1]["content"]  # copyable verbatim from the question
+        assert tool["content"] == format_number(evaluate(expression)) == record.ground_truth
+        assert final["content"] == f"\\boxed{{{record.ground_truth}}}"
+        assert score_answer(final["content"], record.ground_truth) == 1.0
+
+
+def test_trace_call_is_json_with_default_separators():
+    record = make_calc_records(1, seed=0)[0]
+    assert calc_trace(record)[2]["content"] == (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "616 + 388 * 873"}}</tool_call>'
+    )
+
+
+def test_sft_records_hold_the_trace_and_pass_validation():
+    records = make_calc_sft_records(10, seed=3)
+    for record, plain in zip(records, make_calc_records(10, seed=3), strict=True):
+        assert record.prompt == calc_trace(plain)
+        assert record.ground_truth == plain.ground_truth
+        assert validate_record(record.to_dict(), index=record.index) == record
+
+
+# ----- tokenisation in the rollout layout -------------------------------------------------------
+
+
+def test_conversation_tokens_equal_a_full_render_minus_the_final_glue(chat):
+    for record in make_calc_sft_records(5, seed=0):
+        example = tokenize_conversation(chat, record.prompt)
+        full = chat.encode(chat.render(record.prompt))
+        assert example.input_ids == full[: len(example.input_ids)]
+        assert full[len(example.input_ids) :] == chat.turn_close_ids[1:]
+        assert chat.check_consistency(record.prompt, example.input_ids).ok
+
+
+def test_mask_is_one_exactly_on_assistant_content_and_its_stop_token(chat):
+    trace = make_calc_sft_records(1, seed=0)[0].prompt
+    example = tokenize_conversation(chat, trace)
+    stop = chat.turn_close_ids[0]
+    runs, current = [], []  # maximal runs of mask-1 tokens
+    for token, mask in zip(example.input_ids, example.loss_mask, strict=True):
+        if mask:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    assistant = [m["content"] for m in trace if m["role"] == "assistant"]
+    assert runs == [[*chat.encode(text), stop] for text in assistant]
+    prompt = [m for m in trace if m["role"] != "assistant"][:2]
+    assert example.input_ids[: len(chat.prompt_ids(prompt))] == chat.prompt_ids(prompt)
+
+
+def test_a_trajectory_file_is_used_as_is(chat, tmp_path):
+    request = AsyncRolloutRequest("r-0", 0, 0, [{"role": "user", "content": "What is 2 + 2?"}])
+    request.prompt_ids = chat.prompt_ids(request.messages)
+    request.append_generated([5, 6, chat.turn_close_ids[0]], [-0.1, -0.2, -0.3], 0)
+    request.append_context([7, 8])
+    request.append_generated([9, chat.turn_close_ids[0]], [-0.1, -0.2], 0)
+    request.finish(FinishReason.STOP)
+    request.transition(RequestState.COMPLETED)
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(orjson.dumps(request.to_record()) + b"\n")
+
+    [example] = load_examples(SFTConfig(data=str(path), num_examples=0), chat)
+    assert example.input_ids == request.prompt_ids + request.response_ids
+    assert example.loss_mask == [0] * len(request.prompt_ids) + request.loss_mask
+
+
+def test_trajectories_below_min_reward_are_left_out(chat, tmp_path):
+    lines = []
+    for reward in (0.0, 1.0):
+        request = AsyncRolloutRequest(f"r-{reward}", 0, 0, [{"role": "user", "content": "Hi"}])
+        request.prompt_ids = chat.prompt_ids(request.messages)
+        request.append_generated([5, chat.turn_close_ids[0]], [-0.1, -0.2], 0)
+        request.rewards.final = reward
+        request.finish(FinishReason.STOP)
+        request.transition(RequestState.COMPLETED)
+        lines.append(orjson.dumps(request.to_record()))
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert len(load_examples(SFTConfig(data=str(path), num_examples=0, min_reward=0.5), chat)) == 1
+
+
+# ----- the loss ---------------------------------------------------------------------------------
+
+
+def test_loss_ignores_targets_outside_the_mask():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1], [1, 0, 0, 0, 1, 0]])
+    changed = torch.where(mask.bool(), targets, (targets + 3) % 11)
+    assert masked_cross_entropy(logits, changed, mask) == masked_cross_entropy(logits, targets, mask)
+    expected = torch.nn.functional.cross_entropy(logits[mask.bool()], targets[mask.bool()])
+    assert masked_cross_entropy(logits, targets, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_changing_tool_output_tokens_does_not_change_the_loss(chat, model):
+    """Up to the tool result, the only trained tokens are the call's, so the result's tokens never count."""
+
+    def loss_for(result: str) -> float:
+        trace = copy.deepcopy(make_calc_sft_records(1, seed=0)[0].prompt[:-1])  # ends with the tool message
+        trace[-1]["content"] = result
+        example = tokenize_conversation(chat, trace)
+        with torch.no_grad():
+            return sft_loss(model, collate([example], chat.tokenizer.pad_token_id)).item()
+
+    assert loss_for("339340") == loss_for("999999999")
+
+
+def test_shared_prefix_forward_gives_the_full_forward_loss_and_gradients(chat, model):
+    examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(4, seed=0)]
+    batch = collate(examples, chat.tokenizer.pad_token_id)
+    assert batch.shared_prefix > 300  # the system prompt with the tool schema
+
+    results = []
+    for prefix in (batch.shared_prefix, 0):
+        model.zero_grad()
+        loss = sft_loss(model, Batch(batch.input_ids, batch.loss_mask, prefix))
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (shared_loss, shared_grads), (full_loss, full_grads) = results
+    assert shared_loss == pytest.approx(full_loss, rel=1e-5)
+    for a, b in zip(shared_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_padding_on_the_right_does_not_change_a_row_s_loss(chat, model):
+    examples = sorted(
+        (tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(6, seed=1)),
+        key=lambda e: len(e.input_ids),
+    )
+    short, long = examples[0], examples[-1]
+    pad = chat.tokenizer.pad_token_id
+    padded = collate([short, long], pad)
+    assert padded.input_ids.shape[1] > len(short.input_ids)
+    with torch.no_grad():
+        alone = sft_loss(model, collate([short], pad)).item()
+        assert sft_loss(model, Batch(padded.input_ids[:1], padded.loss_mask[:1])).item() == pytest.approx(
+            alone, rel=1e-5
+        )
+
+
+def test_a_few_sft_steps_reduce_the_loss_on_a_fixed_batch(chat, model):
+    examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(4, seed=0)]
+    batch = collate(examples, chat.tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = sft_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0]
+
+
+# ----- a whole run ------------------------------------------------------------------------------
+
+
+def test_run_sft_writes_loadable_checkpoints_a_log_and_an_eval_history(tmp_path):
+    sizes = {k: getattr(FIXTURE_MODEL, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size")}
+    config = SFTConfig(
+        **sizes,
+        num_layers=FIXTURE_MODEL.num_layers,
+        num_examples=16,
+        steps=4,
+        batch_size=4,
+        warmup_steps=1,
+        eval_every=2,
+        eval_prompts=2,
+        log_every=2,
+        out=str(tmp_path / "sft"),
+        progress=False,
+    )
+    history = run_sft(config)
+
+    assert [entry["step"] for entry in history] == [2, 4]
+    for entry in history:
+        assert 0.0 <= entry["accuracy"] <= 1.0 and 0.0 <= entry["tool_call_rate"] <= 1.0
+        assert entry["consistency_failures"] == 0
+    checkpoint = tmp_path / "sft" / "step-4"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in checkpoint.iterdir()
+    }
+    assert load_tokenizer(checkpoint).chat_template
+    assert not list((tmp_path / "sft").glob(".*"))  # no temporary directories left behind
+    kinds = [orjson.loads(line)["kind"] for line in (tmp_path / "sft" / "sft_log.jsonl").read_bytes().splitlines()]
+    assert kinds == ["config", "train", "eval", "train", "eval"]
+
+
+def test_eval_seed_must_not_be_the_training_seed():
+    with pytest.raises(ValueError, match="eval_seed"):
+        SFTConfig(seed=7, eval_seed=7)
+
+
+def test_a_conversation_without_an_assistant_turn_is_refused(chat):
+    with pytest.raises(ValueError, match="no assistant message"):
+        tokenize_conversation(chat, [{"role": "user", "content": "Hi"}])
+
+
+def test_a_conversation_file_loads_through_the_record_schema(chat, tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    records = make_calc_sft_records(2, seed=0)
+    path.write_bytes(b"".join(orjson.dumps(r.to_dict()) + b"\n" for r in records))
+    examples = load_examples(SFTConfig(data=str(path), num_examples=0), chat)
+    assert examples == [tokenize_conversation(chat, r.prompt) for r in records]
