@@ -192,6 +192,52 @@ def train(
         console.print(f"done: step {last['step']}, accuracy {last['accuracy']:.3f}; model in {grpo_config.out}/final")
 
 
+@app.command()
+def sft(
+    out: Path = typer.Option(Path("runs/sft"), help="Output directory: step-N/ checkpoints and sft_log.jsonl."),
+    model: Path = typer.Option(None, help="Model directory to start from (default: a fresh tiny Qwen2)."),
+    data: Path = typer.Option(None, help="Conversations or rollout trajectories (JSONL); default: calc traces."),
+    min_reward: float = typer.Option(None, help="Trajectory data: keep those with at least this reward."),
+    num_examples: int = typer.Option(None, help="Examples to use (0 = all of --data)."),
+    steps: int = typer.Option(None, help="Optimizer steps."),
+    batch_size: int = typer.Option(None, help="Examples per step."),
+    lr: float = typer.Option(None, help="Peak learning rate."),
+    eval_every: int = typer.Option(None, help="Evaluate and checkpoint every N steps."),
+    eval_prompts: int = typer.Option(None, help="Held-out calc problems per evaluation (0 = none)."),
+    seed: int = typer.Option(None, help="Seed of initialisation, data order and generated traces."),
+    device: str = typer.Option(None, help='"cpu" or "auto".'),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Supervised fine-tuning on conversations or trajectories, loss on assistant tokens only.
+    With no options it rebuilds the embedded tiny-calc model's training run."""
+    from data.schema import RecordError
+    from trainer.sft import SFTConfig, run_sft
+
+    given = {
+        "out": str(out),
+        "model": str(model) if model else None,
+        "data": str(data) if data else None,
+        "min_reward": min_reward,
+        "num_examples": num_examples,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "eval_every": eval_every,
+        "eval_prompts": eval_prompts,
+        "seed": seed,
+        "device": device,
+        "progress": progress,
+    }
+    try:
+        history = run_sft(SFTConfig(**{k: v for k, v in given.items() if v is not None}), console=console)
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    evals = [h for h in history if h.get("accuracy") is not None]
+    if evals:
+        best = max(evals, key=lambda h: h["accuracy"])
+        console.print(f"best held-out accuracy {best['accuracy']:.3f} at step {best['step']}; checkpoints in {out}")
+
+
 @app.command("eval")
 def evaluate(
     model: Path = typer.Option(None, help="Model directory (default: the embedded model)."),
