@@ -127,3 +127,12 @@ def test_yaml_config_with_overrides_and_unknown_keys(tmp_path):
         load_config(path)
     with pytest.raises(ValueError, match="advantage_mode must be one of"):
         GRPOConfig(advantage_mode="nope")
+
+
+def test_a_step_whose_groups_are_all_filtered_out_leaves_the_policy_alone(tmp_path, tiny_model_dir):
+    trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, steps=1, filter_groups=True), reward_fn=lambda r: 1.0)
+    before = {k: v.clone() for k, v in trainer.policy_state_dict().items()}
+    history = run(trainer)
+    assert history[0]["solve_all"] == 3 and history[0]["skipped_update"] == 1
+    after = trainer.policy_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

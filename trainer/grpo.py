@@ -242,10 +242,14 @@ class GRPOTrainer:
         batches = [collate(chunk, self.tokenizer.pad_token_id or 0).to(accelerator.device) for chunk in chunks]
         local_tokens = sum(float(b.loss_mask[:, 1:].sum()) for b in batches)
         local_seqs = sum(int((b.loss_mask[:, 1:].sum(1) > 0).sum()) for b in batches)
-        counts = self._sum_across_processes({"tokens": local_tokens, "seqs": local_seqs})
-        longest = self._max_across_processes(max((b.input_ids.shape[1] for b in batches), default=1))
         local_rows = sum(len(b) for b in batches)
-        rows = self._sum_across_processes({"rows": local_rows})["rows"]
+        counts = self._sum_across_processes({"tokens": local_tokens, "seqs": local_seqs, "rows": local_rows})
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "approx_kl": 0.0}
+        if counts["tokens"] == 0:  # every group filtered out everywhere: no signal, so no optimizer step
+            self.model.eval()
+            return {**totals, "grad_norm": 0.0, "train_tokens": 0.0, "train_sequences": 0, "skipped_update": 1}
+        longest = self._max_across_processes(max((b.input_ids.shape[1] for b in batches), default=1))
+        rows = counts["rows"]
         normaliser = {  # the global denominator of each aggregation
             "token-mean": max(counts["tokens"], 1.0),
             "seq-mean-token-mean": max(counts["seqs"], 1.0),
@@ -256,7 +260,6 @@ class GRPOTrainer:
             with torch.no_grad():
                 old = [self.logprobs(b)[0] for b in batches]
 
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "approx_kl": 0.0}
         grad_norms = []
         for _ in range(config.ppo_epochs):
             for i, batch in enumerate(batches or [None]):
@@ -284,6 +287,7 @@ class GRPOTrainer:
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train_tokens"] = counts["tokens"] * config.ppo_epochs
         metrics["train_sequences"] = counts["seqs"]
+        metrics["skipped_update"] = 0
         return metrics
 
     def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
