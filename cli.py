@@ -17,8 +17,6 @@ app = typer.Typer(
 )
 console = Console(stderr=True, soft_wrap=True)
 
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "data" / "assets" / "tiny-calc"
-
 
 class UserError(Exception):
     """Bad input from the command line: printed without a stack trace, exit code 2."""
@@ -34,10 +32,12 @@ def _resolve_model(model: Path | None) -> Path:
         if not (model / "config.json").is_file():
             raise UserError(f"--model {model}: not a Hugging Face model directory (no config.json)")
         return model
+    from data.tiny_model import EMBEDDED_MODEL
+
     if (EMBEDDED_MODEL / "config.json").is_file():
         return EMBEDDED_MODEL
     raise UserError(
-        f"no embedded model at {EMBEDDED_MODEL}; pass --model DIR "
+        f"no embedded model at {EMBEDDED_MODEL} (a broken install? `rallyrl sft` rebuilds it); pass --model DIR "
         "(a local Hugging Face causal-LM directory; `rallyrl new-model DIR` makes a tiny random one)"
     )
 
@@ -165,6 +165,7 @@ def train(
     samples_per_prompt: int = typer.Option(None, "-n", "--samples-per-prompt", help="Samples per prompt."),
     lr: float = typer.Option(None, help="Learning rate."),
     seed: int = typer.Option(None, help="Seed."),
+    progress: bool = typer.Option(None, help="Show a progress bar of the steps."),
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
     from data.schema import RecordError
@@ -181,6 +182,7 @@ def train(
         "samples_per_prompt": samples_per_prompt,
         "lr": lr,
         "seed": seed,
+        "progress": progress,
     }
     try:
         grpo_config = load_config(config, overrides)
@@ -206,12 +208,15 @@ def sft(
     eval_prompts: int = typer.Option(None, help="Held-out calc problems per evaluation (0 = none)."),
     seed: int = typer.Option(None, help="Seed of initialisation, data order and generated traces."),
     device: str = typer.Option(None, help='"cpu" or "auto".'),
+    recipe: str = typer.Option(None, help="Run a staged recipe (tiny-calc: the embedded model's)."),
+    stop_accuracy: float = typer.Option(None, help="Stop once held-out accuracy reaches this."),
+    export: Path = typer.Option(None, help="Copy the last checkpoint here (data/assets/tiny-calc rebuilds it)."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Supervised fine-tuning on conversations or trajectories, loss on assistant tokens only.
-    With no options it rebuilds the embedded tiny-calc model's training run."""
+    `--recipe tiny-calc --export data/assets/tiny-calc` rebuilds the embedded model."""
     from data.schema import RecordError
-    from trainer.sft import SFTConfig, run_sft
+    from trainer.sft import SFTConfig, run_recipe, run_sft
 
     given = {
         "out": str(out),
@@ -226,10 +231,16 @@ def sft(
         "eval_prompts": eval_prompts,
         "seed": seed,
         "device": device,
+        "stop_accuracy": stop_accuracy,
+        "export": str(export) if export else None,
         "progress": progress,
     }
     try:
-        history = run_sft(SFTConfig(**{k: v for k, v in given.items() if v is not None}), console=console)
+        if recipe is not None:
+            settings = {k: v for k, v in given.items() if v is not None and k not in ("out", "export")}
+            history = run_recipe(recipe, out, export, console, **settings)
+        else:
+            history = run_sft(SFTConfig(**{k: v for k, v in given.items() if v is not None}), console=console)
     except (RecordError, ValueError) as exc:
         raise _fail(str(exc)) from None
     evals = [h for h in history if h.get("accuracy") is not None]

@@ -17,12 +17,13 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoModelForCausalLM
 
 from data.synthetic import make_calc_records
-from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
-from rollout.tokens import ChatTokenizer
+from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.calculator import CalculatorTool
 
 
@@ -69,17 +70,18 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=16, help="requests in the sequential baseline")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--model", default=str(EMBEDDED_MODEL), help="model directory (default: the embedded one)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, TinyModelConfig())
+    tokenizer = load_tokenizer(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32).eval()
     chat = ChatTokenizer(tokenizer, [CalculatorTool().schema])
     prompts = [chat.prompt_ids(record.prompt) for record in make_calc_records(args.requests, seed=0)]
     params = sum(p.numel() for p in model.parameters())
     console = Console(width=120)
     console.print(
-        f"tiny Qwen2 ({params / 1e6:.2f} M parameters), {len(prompts)} requests, "
+        f"{args.model} ({params / 1e6:.2f} M parameters), {len(prompts)} requests, "
         f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens each, "
         f"{torch.get_num_threads()} threads"
     )

@@ -1,5 +1,5 @@
 """Trainer throughput: tokens/s of the GRPO update phase and peak memory, at 32 and 128
-sequences per step, on the tiny model with calc-shaped trajectories.
+sequences per step, on the embedded tiny-calc model with calc-shaped trajectories.
 
     python benchmarks/trainer_throughput.py [--sequences 32 128] [--micro-batch 16] [--repeats 3]
 
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from data.synthetic import make_calc_records
-from data.tiny_model import TinyModelConfig, save_tiny_model
+from data.tiny_model import EMBEDDED_MODEL
 from rollout.request import AsyncRolloutRequest
 from trainer.batch import trajectory_sample
 from trainer.config import GRPOConfig
@@ -58,17 +58,16 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="updates timed per size (after one warm-up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=str(EMBEDDED_MODEL), help="model directory (default: the embedded one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_model(
-            f"{tmp}/model", TinyModelConfig(hidden_size=128, num_layers=4, intermediate_size=512)
-        )
-        config = GRPOConfig(model=str(model_dir), out=f"{tmp}/run", micro_batch_size=args.micro_batch)
+        config = GRPOConfig(model=args.model, out=f"{tmp}/run", micro_batch_size=args.micro_batch, progress=False)
         trainer = GRPOTrainer(config)
         params = sum(p.numel() for p in trainer.model.parameters())
-        table = Table(title=f"GRPO update phase, tiny Qwen2 ({params / 1e6:.2f} M parameters), {args.threads} threads")
+        title = f"GRPO update phase, {args.model} ({params / 1e6:.2f} M parameters), {args.threads} threads"
+        table = Table(title=title)
         for column in ("sequences/step", "tokens/sequence", "trained tokens/step", "update s", "tokens/s", "peak RSS"):
             table.add_column(column, justify="right")
         for count in args.sequences:

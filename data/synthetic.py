@@ -128,13 +128,37 @@ def calc_trace(record: Record) -> list[dict[str, Any]]:
     ]
 
 
+def direct_answer_trace(record: Record) -> list[dict[str, Any]]:
+    """The conversation of an agent that answers at once without its tool: ``\\boxed{answer}``.
+
+    The answer is the true one, but a small model cannot learn multi-digit arithmetic from it,
+    so what such a model learns is the habit of answering from memory, and its guesses are wrong.
+    """
+    return [
+        *(dict(message) for message in record.prompt),
+        {"role": "assistant", "content": f"\\boxed{{{record.ground_truth}}}"},
+    ]
+
+
 def make_calc_sft_records(
-    num: int, seed: int = 0, *, min_digits: int = 3, max_digits: int = 4, max_ops: int = 2
+    num: int,
+    seed: int = 0,
+    *,
+    tool_call_share: float = 1.0,
+    min_digits: int = 3,
+    max_digits: int = 4,
+    max_ops: int = 2,
 ) -> list[Record]:
-    """``make_calc_records`` with each ``prompt`` replaced by its full :func:`calc_trace` conversation."""
+    """``make_calc_records`` with each ``prompt`` replaced by its full conversation: a
+    :func:`calc_trace` with probability ``tool_call_share``, else a :func:`direct_answer_trace`.
+    The problems do not depend on ``tool_call_share``."""
+    if not 0.0 <= tool_call_share <= 1.0:
+        raise ValueError(f"tool_call_share must be in [0, 1], got {tool_call_share}")
     records = make_calc_records(num, seed, min_digits=min_digits, max_digits=max_digits, max_ops=max_ops)
+    choice = random.Random(f"{seed}/tool_call_share")
     for record in records:
-        record.prompt = calc_trace(record)
+        uses_tool = choice.random() < tool_call_share
+        record.prompt = calc_trace(record) if uses_tool else direct_answer_trace(record)
     return records
 
 

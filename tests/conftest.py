@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,14 @@ from tools.base import BaseTool, ToolError, ToolResponse, function_schema
 torch.set_num_threads(2)
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``rallyrl`` command in a real subprocess; its output is captured as text."""
+    path = shutil.which("rallyrl")
+    if path is None:
+        pytest.fail("the rallyrl command is not installed: run `pip install -e .[dev]`")
+    return subprocess.run([path, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

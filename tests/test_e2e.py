@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import orjson
 import pytest
 import torch
+from conftest import run_cli
 
 from data.synthetic import make_calc_records
 from rollout.engines.local import LocalEngine
@@ -41,17 +39,6 @@ async def test_tiny_model_rollout_keeps_tokens_masks_and_logprobs_exact(tiny_mod
         ):
             if mask:
                 assert logprob == pytest.approx(logprobs[start + i - 1, token].item(), abs=1e-3)
-
-
-def rallyrl() -> str:
-    path = shutil.which("rallyrl")
-    if path is None:
-        pytest.fail("the rallyrl command is not installed: run `pip install -e .[dev]`")
-    return path
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([rallyrl(), *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_rollout_writes_valid_trajectories(tmp_path):

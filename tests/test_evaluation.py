@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 
 import pytest
-from conftest import ScriptedEngine
+from conftest import ScriptedEngine, run_cli
 
 from data.schema import Record
 from rollout.loop import RolloutConfig
@@ -46,13 +44,9 @@ async def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tokenizer):
     assert report["pass_at_k"] == {"1": pytest.approx(0.125), "2": pytest.approx(0.25), "4": pytest.approx(0.5)}
 
 
-def rallyrl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([shutil.which("rallyrl"), *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_eval_command_writes_accuracy_and_pass_at_k_json(tmp_path, tiny_model_dir):
     report = tmp_path / "eval.json"
-    done = rallyrl(
+    done = run_cli(
         "eval", "--model", str(tiny_model_dir), "--num-prompts", "3", "-n", "2", "--max-new-tokens", "8",
         "--json", str(report), "--no-progress",
     )  # fmt: skip
@@ -65,9 +59,9 @@ def test_eval_command_writes_accuracy_and_pass_at_k_json(tmp_path, tiny_model_di
 def test_train_command_runs_and_resumes(tmp_path, tiny_model_dir):
     common = ["train", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
               "--prompts-per-step", "2", "-n", "2"]  # fmt: skip
-    first = rallyrl(*common, "--steps", "1")
+    first = run_cli(*common, "--steps", "1")
     assert first.returncode == 0, first.stderr
-    again = rallyrl(*common, "--steps", "2", "--resume")
+    again = run_cli(*common, "--steps", "2", "--resume")
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stderr
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -78,13 +72,13 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_model_dir):
 def test_train_command_rejects_a_bad_config_file(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("stepz: 3\n")
-    done = rallyrl("train", "--config", str(path))
+    done = run_cli("train", "--config", str(path))
     assert done.returncode == 2 and "unknown field(s) stepz" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_sft_command_trains_and_checkpoints(tmp_path, tiny_model_dir):
     out = tmp_path / "sft"
-    done = rallyrl(
+    done = run_cli(
         "sft", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "2", "--batch-size", "2",
         "--num-examples", "8", "--eval-every", "2", "--eval-prompts", "0", "--no-progress",
     )  # fmt: skip

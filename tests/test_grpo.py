@@ -25,7 +25,7 @@ def config(tmp_path, model_dir, **overrides) -> GRPOConfig:
     values = dict(
         model=str(model_dir), out=str(tmp_path / "run"), steps=3, prompts_per_step=2, samples_per_prompt=4,
         max_turns=2, max_new_tokens=12, max_model_len=768, micro_batch_size=4, lr=1e-3, seed=3,
-        checkpoint_every=1, filter_groups=False,
+        checkpoint_every=1, filter_groups=False, progress=False,
     )  # fmt: skip
     values.update(overrides)
     return GRPOConfig(**values)

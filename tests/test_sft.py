@@ -10,7 +10,7 @@ import torch
 
 from data.rewards import score_answer
 from data.schema import validate_record
-from data.synthetic import calc_trace, make_calc_records, make_calc_sft_records
+from data.synthetic import calc_trace, direct_answer_trace, make_calc_records, make_calc_sft_records
 from data.tiny_model import TinyModelConfig, build_tiny_model
 from rollout.parsers import parse_hermes
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
@@ -18,6 +18,7 @@ from rollout.tokens import load_tokenizer
 from tools.calculator import evaluate, format_number
 from trainer.sft import (
     Batch,
+    Example,
     SFTConfig,
     calc_chat,
     collate,
@@ -73,6 +74,25 @@ def test_sft_records_hold_the_trace_and_pass_validation():
         assert record.prompt == calc_trace(plain)
         assert record.ground_truth == plain.ground_truth
         assert validate_record(record.to_dict(), index=record.index) == record
+
+
+def test_tool_call_share_mixes_direct_answers_into_the_same_problems():
+    mixed = make_calc_sft_records(400, seed=3, tool_call_share=0.3)
+    plain = make_calc_records(400, seed=3)
+    calls = 0
+    for record, problem in zip(mixed, plain, strict=True):
+        if record.prompt == calc_trace(problem):
+            calls += 1
+        else:
+            assert record.prompt == direct_answer_trace(problem)
+            assert record.prompt[-1]["content"] == f"\\boxed{{{problem.ground_truth}}}"
+    assert 90 <= calls <= 150  # about 30 % of 400
+    assert make_calc_sft_records(400, seed=3, tool_call_share=0.3) == mixed
+
+
+def test_tool_call_share_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="tool_call_share"):
+        make_calc_sft_records(1, tool_call_share=1.5)
 
 
 # ----- tokenisation in the rollout layout -------------------------------------------------------
@@ -150,16 +170,22 @@ def test_loss_ignores_targets_outside_the_mask():
 
 
 def test_changing_tool_output_tokens_does_not_change_the_loss(chat, model):
-    """Up to the tool result, the only trained tokens are the call's, so the result's tokens never count."""
+    """Cut after the tool result: its tokens are in the input, but only the call before them is trained."""
 
     def loss_for(result: str) -> float:
-        trace = copy.deepcopy(make_calc_sft_records(1, seed=0)[0].prompt[:-1])  # ends with the tool message
-        trace[-1]["content"] = result
+        trace = copy.deepcopy(make_calc_sft_records(1, seed=0)[0].prompt)
+        trace[-2]["content"] = result
         example = tokenize_conversation(chat, trace)
+        cut = len(example.input_ids) - len(chat.encode(trace[-1]["content"])) - 1  # before the final answer
+        assert chat.decode(example.input_ids[:cut]).endswith(
+            f"{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert not any(example.loss_mask[cut - 20 : cut])
+        batch = collate([Example(example.input_ids[:cut], example.loss_mask[:cut])], chat.tokenizer.pad_token_id)
         with torch.no_grad():
-            return sft_loss(model, collate([example], chat.tokenizer.pad_token_id)).item()
+            return sft_loss(model, batch).item()
 
-    assert loss_for("339340") == loss_for("999999999")
+    assert loss_for("339340") == loss_for("999999")
 
 
 def test_shared_prefix_forward_gives_the_full_forward_loss_and_gradients(chat, model):
@@ -241,6 +267,35 @@ def test_run_sft_writes_loadable_checkpoints_a_log_and_an_eval_history(tmp_path)
     assert not list((tmp_path / "sft").glob(".*"))  # no temporary directories left behind
     kinds = [orjson.loads(line)["kind"] for line in (tmp_path / "sft" / "sft_log.jsonl").read_bytes().splitlines()]
     assert kinds == ["config", "train", "eval", "train", "eval"]
+
+
+def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it_and_exports_it(tmp_path, monkeypatch):
+    accuracies = iter([0.1, 0.5, 0.9])
+
+    async def scripted_evaluation(*args, **kwargs):  # stands in for the held-out rollouts
+        metrics = {"tool_call_rate": 1.0, "well_formed_calls": 1.0, "exact_calls": 1.0, "eval_s": 0.0}
+        return {"accuracy": next(accuracies), **metrics}
+
+    monkeypatch.setattr("trainer.sft.evaluate_greedy", scripted_evaluation)
+    sizes = {k: getattr(FIXTURE_MODEL, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size")}
+    config = SFTConfig(
+        **sizes, num_layers=FIXTURE_MODEL.num_layers, num_examples=8, steps=6, batch_size=2, warmup_steps=0,
+        eval_every=2, eval_prompts=2, stop_accuracy=0.4, out=str(tmp_path / "sft"),
+        export=str(tmp_path / "shipped"), progress=False,
+    )  # fmt: skip
+    history = run_sft(config)
+
+    assert [entry["step"] for entry in history] == [2, 4]
+    assert not (tmp_path / "sft" / "step-6").exists()
+    shipped = tmp_path / "shipped"
+    weights = (shipped / "model.safetensors").read_bytes()
+    assert weights == (tmp_path / "sft" / "step-4" / "model.safetensors").read_bytes()
+    assert not list(tmp_path.glob(".shipped*"))
+
+
+def test_stop_accuracy_needs_evaluations():
+    with pytest.raises(ValueError, match="stop_accuracy"):
+        SFTConfig(stop_accuracy=0.5, eval_prompts=0)
 
 
 def test_eval_seed_must_not_be_the_training_seed():

@@ -82,6 +82,8 @@ class GRPOConfig:
     keep_checkpoints: int = 2
     device: str = "auto"
     """Engine device: "auto", "cpu" or "cuda" (the trainer's comes from Accelerate)."""
+    progress: bool = True
+    """Show a progress bar of the steps (main process only)."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens")

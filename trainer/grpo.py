@@ -29,10 +29,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from data.schema import Record, load_records
 from data.synthetic import make_task
+from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import Engine
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from rollout.loop import RewardFn, RolloutConfig, default_reward
@@ -49,8 +51,6 @@ from trainer.advantages import (
 from trainer.batch import Sample, TrainBatch, collate, micro_batches, step_rewards, step_samples, trajectory_sample
 from trainer.config import GRPOConfig
 from trainer.losses import entropy_from_logits, policy_loss, token_logprobs, truncated_is_weights
-
-EMBEDDED_MODEL = Path(__file__).resolve().parents[1] / "data" / "assets" / "tiny-calc"
 
 
 @dataclass
@@ -424,15 +424,33 @@ class GRPOTrainer:
                 engine, self.chat, self.tools, self.rollout_config,
                 max_concurrency=config.max_concurrency, reward_fn=self.reward_fn, progress=False,
             )  # fmt: skip
-            while self.state.step < config.steps:
-                metrics = await self.step(runner)
-                history.append(metrics)
-                self.log(metrics)
-                due = config.checkpoint_every and self.state.step % config.checkpoint_every == 0
-                if due or self.state.step == config.steps:
-                    self.save_checkpoint()
+            with self.progress_bar() as bar:
+                task = bar.add_task(
+                    "grpo", total=config.steps, completed=self.state.step, reward=math.nan, acc=math.nan
+                )
+                while self.state.step < config.steps:
+                    metrics = await self.step(runner)
+                    history.append(metrics)
+                    self.log(metrics)
+                    bar.update(task, advance=1, reward=metrics["reward_mean"], acc=metrics["accuracy"])
+                    due = config.checkpoint_every and self.state.step % config.checkpoint_every == 0
+                    if due or self.state.step == config.steps:
+                        self.save_checkpoint()
         self.save_final(history)
         return history
+
+    def progress_bar(self) -> Progress:
+        """Steps done, reward and accuracy of the last step, time left; off on other processes."""
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.3f}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not (self.config.progress and self.is_main),
+        )
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:
