@@ -18,7 +18,7 @@ def test_the_embedded_model_is_a_qwen2_of_1_to_5_m_parameters_under_20_mb():
     config = json.loads((EMBEDDED_MODEL / "config.json").read_text())
     assert config["model_type"] == "qwen2"
     with safe_open(EMBEDDED_MODEL / "model.safetensors", "pt") as weights:
-        params = sum(weights.get_slice(name).get_shape().numel() for name in weights.keys())  # noqa: SIM118
+        params = sum(weights.get_tensor(name).numel() for name in weights.keys())  # noqa: SIM118
     assert 1_000_000 <= params <= 5_000_000
     assert sum(f.stat().st_size for f in EMBEDDED_MODEL.rglob("*") if f.is_file()) < 20 * 2**20
 
@@ -33,12 +33,15 @@ def test_the_embedded_tokenizer_is_the_character_tokenizer_with_the_tool_templat
     assert "# Tools" in rendered and "calculator" in rendered
 
 
-async def test_the_embedded_model_calls_the_calculator_and_solves_some_but_not_all_problems():
-    """Greedy on held-out problems: well-formed calls nearly always, a moderate accuracy (room for RL)."""
+async def test_the_embedded_model_calls_its_calculator_on_some_problems_and_then_mostly_gets_them_right():
+    """Greedy on held-out problems: the habit RL is to unlearn (answering without the tool on
+    many problems), well-formed and mostly exact calls when it does call, a moderate accuracy."""
     chat, tools = calc_chat(load_tokenizer(EMBEDDED_MODEL))
     metrics = await evaluate_greedy(EMBEDDED_MODEL, chat, tools, num_prompts=48, seed=12345, device="cpu")
-    assert metrics["tool_call_rate"] >= 0.9 and metrics["well_formed_calls"] >= 0.9
-    assert 0.1 <= metrics["accuracy"] <= 0.8
+    assert 0.2 <= metrics["tool_call_rate"] <= 0.8
+    assert metrics["well_formed_calls"] >= 0.9
+    assert metrics["exact_calls"] >= 0.5 * metrics["tool_call_rate"]
+    assert 0.05 <= metrics["accuracy"] <= 0.5
     assert metrics["consistency_failures"] == 0
 
 
@@ -50,4 +53,4 @@ def test_rollout_with_no_model_option_runs_on_the_embedded_model(tmp_path):
     assert len(trajectories) == 8
     for trajectory in trajectories:
         validate_trajectory(trajectory)
-    assert sum(len(t["tool_calls"]) for t in trajectories) >= 6
+    assert any(t["tool_calls"] for t in trajectories)
