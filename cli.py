@@ -37,8 +37,8 @@ def _resolve_model(model: Path | None) -> Path:
     if (EMBEDDED_MODEL / "config.json").is_file():
         return EMBEDDED_MODEL
     raise UserError(
-        f"no embedded model at {EMBEDDED_MODEL} (a broken install? `rallyrl sft` rebuilds it); pass --model DIR "
-        "(a local Hugging Face causal-LM directory; `rallyrl new-model DIR` makes a tiny random one)"
+        f"no embedded model at {EMBEDDED_MODEL} (`rallyrl sft --recipe tiny-calc --export {EMBEDDED_MODEL}` "
+        "rebuilds it); or pass --model DIR (a local Hugging Face causal-LM directory)"
     )
 
 

@@ -17,6 +17,7 @@ from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.tokens import load_tokenizer
 from tools.calculator import evaluate, format_number
 from trainer.sft import (
+    RECIPES,
     Batch,
     Example,
     SFTConfig,
@@ -24,6 +25,7 @@ from trainer.sft import (
     collate,
     load_examples,
     masked_cross_entropy,
+    run_recipe,
     run_sft,
     sft_loss,
     tokenize_conversation,
@@ -291,6 +293,28 @@ def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it_and_
     weights = (shipped / "model.safetensors").read_bytes()
     assert weights == (tmp_path / "sft" / "step-4" / "model.safetensors").read_bytes()
     assert not list(tmp_path.glob(".shipped*"))
+
+
+def test_a_recipe_runs_its_stages_each_from_the_last_checkpoint_and_exports_the_last(tmp_path, monkeypatch):
+    sizes = {k: getattr(FIXTURE_MODEL, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size")}
+    first = {**sizes, "num_layers": FIXTURE_MODEL.num_layers, "steps": 2, "schedule_steps": 4}
+    monkeypatch.setitem(RECIPES, "two-stage", (first, {"steps": 1, "tool_call_share": 0.5, "seed": 3}))
+    out = tmp_path / "recipe"
+    run_recipe(
+        "two-stage", out, tmp_path / "shipped", num_examples=8, batch_size=2, warmup_steps=0, eval_every=2,
+        eval_prompts=0, progress=False,
+    )  # fmt: skip
+
+    configs = [orjson.loads((out / f"stage-{n}" / "sft_log.jsonl").read_bytes().splitlines()[0]) for n in (1, 2)]
+    assert configs[0]["model"] is None and configs[0]["schedule_steps"] == 4
+    assert configs[1]["model"] == str(out / "stage-1" / "step-2") and configs[1]["tool_call_share"] == 0.5
+    weights = (tmp_path / "shipped" / "model.safetensors").read_bytes()
+    assert weights == (out / "stage-2" / "step-1" / "model.safetensors").read_bytes()
+
+
+def test_an_unknown_recipe_names_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match="known recipes: tiny-calc"):
+        run_recipe("nope", tmp_path)
 
 
 def test_stop_accuracy_needs_evaluations():

@@ -49,7 +49,8 @@ from tools.registry import DEFAULT_TOOLS, build_tools
 
 @dataclass
 class SFTConfig:
-    """Every setting of an SFT run; the defaults are the first stage of the embedded model's recipe."""
+    """Every setting of an SFT run; the defaults train a fresh tiny Qwen2 on calc traces (the
+    embedded model's stages are ``TINY_CALC_RECIPE``)."""
 
     model: str | None = None
     """Hugging Face model directory to start from; None builds a fresh tiny Qwen2 (sizes below)."""
