@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout.engines.base import Engine, EngineError, SamplingParams
-from rollout.engines.local import LocalEngine, LocalEngineConfig, sample_tokens
+from rollout.engines.local import LocalEngine, LocalEngineConfig, sample_tokens, shared_prefix_length
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
@@ -230,3 +230,27 @@ async def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch(tiny_
         other_seed = await engine.generate(batch[0], SamplingParams(max_new_tokens=15, seed=99), "other")
     assert crowd[0].output_ids == alone.output_ids
     assert other_seed.output_ids != alone.output_ids
+
+
+async def test_logprobs_stay_exact_when_decode_reads_a_shared_prompt_prefix_once(tiny_model, tokenizer):
+    header = tokenizer.encode("System: " + "use the tools well. " * 6, add_special_tokens=False)
+    batch = [header + prompt for prompt in prompts(tokenizer, 10)]
+
+    async def one(engine, i):
+        await asyncio.sleep(0.003 * i)
+        return await engine.generate(batch[i], SamplingParams(max_new_tokens=8 + 2 * i, temperature=1.0), f"r{i}")
+
+    async with LocalEngine(tiny_model, LocalEngineConfig(max_batch_size=4)) as engine:
+        generations = await asyncio.gather(*(one(engine, i) for i in range(10)))
+    assert engine.stats.shared_prefix_steps > 0
+    for i, generation in enumerate(generations):
+        expected = recomputed_logprobs(tiny_model, batch[i], generation.output_ids)
+        assert generation.output_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_shared_prefix_is_the_longest_common_one_when_long_enough():
+    header = list(range(10, 90))
+    assert shared_prefix_length([header + [5, 6, 7], header + [5, 6, 9, 9], header + [5, 8]]) == len(header) + 1
+    assert shared_prefix_length([header, header + [1]]) == len(header)
+    assert shared_prefix_length([header[:40] + [1], header[:40] + [2]]) == 0  # too short to be worth it
+    assert shared_prefix_length([header]) == 0

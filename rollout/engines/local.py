@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
+from rollout.engines.shared_prefix import NAME as SHARED_PREFIX_ATTENTION
 
 
 @dataclass
@@ -43,6 +44,29 @@ class LocalEngineConfig:
     """Seed of the sampling generator."""
     prefix_cache_mb: int = 512
     """Memory for the KV of finished sequences, reused by prompts that extend them (0 = off)."""
+
+
+MIN_SHARED_PREFIX = 64
+"""Decode reads a prompt prefix shared by every running sequence once when it is at least this long."""
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Leading tokens all ``prompts`` share, or 0 when fewer than ``MIN_SHARED_PREFIX`` (or one prompt).
+
+    Prompt token i sits in column i of its KV row, so these columns hold the same keys and
+    values in every row (``rollout.engines.shared_prefix``).
+    """
+    if len(prompts) < 2:
+        return 0
+    first = prompts[0]
+    low, high = 0, min(len(p) for p in prompts)
+    while low < high:  # the longest m with every prompt[:m] == first[:m]
+        middle = (low + high + 1) // 2
+        if all(p[:middle] == first[:middle] for p in prompts):
+            low = middle
+        else:
+            high = middle - 1
+    return low if low >= MIN_SHARED_PREFIX else 0
 
 
 @dataclass
@@ -78,6 +102,7 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     busy_s: float = 0.0
     peak_batch: int = 0
+    shared_prefix_steps: int = 0  # decode steps that read a prompt prefix shared by every row once
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -140,6 +165,9 @@ class LocalEngine:
         self.device = _resolve_device(self.config.device)
         self.dtype = _resolve_dtype(self.config.dtype, self.device)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self._cascade = self.model.config._attn_implementation in ("sdpa", SHARED_PREFIX_ATTENTION)
+        if self._cascade:  # SDPA, with one read of a prompt prefix all rows share
+            self.model.set_attn_implementation(SHARED_PREFIX_ATTENTION)
         self._decoder = model.get_decoder()
         self._lm_head = model.get_output_embeddings()
         model_config = model.config
@@ -165,6 +193,7 @@ class LocalEngine:
         self._task: asyncio.Task[None] | None = None
         self.weight_version = 0
         self.stats = EngineStats()
+        self._shared_length: int | None = None  # None: the batch changed, recompute
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: LocalEngineConfig | None = None) -> LocalEngine:
@@ -340,18 +369,32 @@ class LocalEngine:
         self._prefix_cache.clear()  # cached keys and values came from the old weights
         self.weight_version = version
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache, shared_prefix: int = 0
+    ) -> torch.Tensor:
         """Hidden states of the decoder (logits are taken only where a token is sampled)."""
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        extra = {"shared_prefix": shared_prefix} if shared_prefix else {}
         hidden = self._decoder(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=additive[:, None],
             past_key_values=cache,
             use_cache=True,
+            **extra,
         ).last_hidden_state
         return hidden
+
+    def _shared_prefix(self) -> int:
+        """The prompt prefix every running sequence shares, read once per decode step; recomputed
+        only when the batch changes."""
+        running = self._running
+        if len(running) < 2 or not self._cascade:
+            return 0
+        if self._shared_length is None:
+            self._shared_length = shared_prefix_length([s.prompt_ids for s in running])
+        return self._shared_length
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
         """Compute the admitted prompts (less what the prefix cache has) into new rows, and
@@ -391,6 +434,7 @@ class LocalEngine:
         tokens, logprobs = sample_tokens(
             logits, [s.sampling for s in admitted], self._generator, [s.generator for s in admitted]
         )
+        self._shared_length = None
         for seq, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.row = len(self._running)
             seq.length = len(seq.prompt_ids)
@@ -414,7 +458,9 @@ class LocalEngine:
         positions = torch.tensor([s.length for s in running], device=device)[:, None]
         kv.mask[:rows, column] = True
         mask = kv.mask[:rows, None, : column + 1]
-        hidden = self._forward(input_ids, positions, mask, kv.view(slice(0, rows), column))
+        shared = self._shared_prefix()
+        hidden = self._forward(input_ids, positions, mask, kv.view(slice(0, rows), column), shared)
+        self.stats.shared_prefix_steps += bool(shared)
         kv.width = column + 1
         logits = self._lm_head(hidden[:, -1])
         tokens, logprobs = sample_tokens(
@@ -430,6 +476,8 @@ class LocalEngine:
     def _retire(self) -> list[_Sequence]:
         """Remove finished sequences from the batch (and their KV rows)."""
         done = [s for s in self._running if s.finish is not None]
+        if done:
+            self._shared_length = None
         for seq in done:
             if self.config.prefix_cache_mb > 0:  # keep its keys and values for the next turn
                 tokens = (seq.prompt_ids + seq.output_ids)[: seq.length]
