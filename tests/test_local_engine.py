@@ -173,6 +173,19 @@ async def test_prompts_sharing_a_system_prompt_share_its_cache(tiny_model, token
     assert with_cache.output_ids == without_cache.output_ids
 
 
+async def test_prompts_arriving_together_with_an_uncached_shared_prefix_compute_it_once(tiny_model, tokenizer):
+    system = tokenizer.encode("You are a careful calculator user. " * 4, add_special_tokens=False)
+    batch = [system + [40 + i, 41, 42] for i in range(6)]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0)
+    async with LocalEngine(tiny_model) as engine:
+        together = await asyncio.gather(*(engine.generate(p, greedy, f"r{i}") for i, p in enumerate(batch)))
+        assert engine.stats.cached_tokens == 5 * (len(system) // 32 * 32)  # all but the first
+        assert engine.stats.prefills == 2
+    async with LocalEngine(tiny_model, LocalEngineConfig(prefix_cache_mb=0)) as engine:
+        alone = [await engine.generate(p, greedy, f"r{i}") for i, p in enumerate(batch)]
+    assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+
+
 async def test_weight_update_empties_the_prefix_cache(tiny_model, tokenizer):
     prompt = prompts(tokenizer, 3)[2]
     greedy = SamplingParams(max_new_tokens=5, temperature=0)

@@ -317,6 +317,13 @@ class LocalEngine:
                 break
             longest = longest_if
             admitted.append(self._waiting.popleft())
+        if len(admitted) > 1 and self.config.prefix_cache_mb > 0:
+            # prompts sharing a long prefix that is not cached yet: prefill the first alone, so
+            # that the others (next step) find its keys and values in the prefix cache
+            _, cached = self._prefix_cache.lookup(admitted[0].prompt_ids)
+            if shared_prefix_length([s.prompt_ids for s in admitted]) - cached >= MIN_SHARED_PREFIX:
+                self._waiting.extendleft(reversed(admitted[1:]))
+                admitted = admitted[:1]
         return admitted
 
     def _resolve(self, seq: _Sequence, finish: str) -> None:
