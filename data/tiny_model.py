@@ -15,7 +15,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-calc"
-"""The shipped tiny-calc model (``rallyrl sft`` with its defaults rebuilds it): the default of every command."""
+"""The shipped tiny-calc model (``rallyrl sft --recipe tiny-calc`` rebuilds it): the default of every command."""
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
