@@ -133,7 +133,9 @@ async def _converse(
         generation = await engine.generate(request.all_ids, sampling, request.request_id)
         if generation.output_ids:
             request.metrics.turns += 1
-            request.append_generated(generation.output_ids, generation.output_logprobs, generation.weight_version)
+            request.append_generated(
+                generation.output_ids, generation.output_logprobs, generation.token_weight_versions()
+            )
             text = chat.assistant_text(generation.output_ids)
             request.messages.append({"role": "assistant", "content": text})
         if generation.finish_reason == "abort":

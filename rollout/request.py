@@ -114,12 +114,14 @@ class AsyncRolloutRequest:
             self.finish_reason = reason
             self.error = error
 
-    def append_generated(self, ids: list[int], logprobs: list[float], weight_version: int | None) -> None:
-        """Engine tokens: trained on (mask 1), logprobs kept."""
+    def append_generated(self, ids: list[int], logprobs: list[float], weight_versions: list[int] | int | None) -> None:
+        """Engine tokens: trained on (mask 1), logprobs and the weight version of each kept."""
+        if not isinstance(weight_versions, list):
+            weight_versions = [weight_versions] * len(ids)  # type: ignore[list-item]
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
-        self.weight_versions += [weight_version] * len(ids)
+        self.weight_versions += weight_versions
         self.metrics.generated_tokens += len(ids)
 
     def append_context(self, ids: list[int]) -> None:

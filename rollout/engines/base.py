@@ -40,7 +40,9 @@ class Generation:
     """One engine call's result. ``output_logprobs[i]`` is the logprob of ``output_ids[i]``.
 
     ``finish_reason`` is "stop" (a stop token was sampled; it ends ``output_ids``), "length"
-    (``max_new_tokens`` or the context limit reached) or "abort".
+    (``max_new_tokens`` or the context limit reached) or "abort". ``weight_version`` is the
+    version that produced the last token; ``output_weight_versions[i]``, when the engine knows
+    it, the version that produced ``output_ids[i]`` (a generation can span a weight update).
     """
 
     output_ids: list[int]
@@ -48,6 +50,21 @@ class Generation:
     finish_reason: EngineFinish
     weight_version: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    output_weight_versions: list[int] | None = None
+
+    def token_weight_versions(self) -> list[int]:
+        """The weight version of every output token (``weight_version`` where not recorded)."""
+        if self.output_weight_versions is not None:
+            return self.output_weight_versions
+        return [self.weight_version] * len(self.output_ids)
+
+
+@dataclass
+class PartialGeneration:
+    """The tokens of a streamed generation so far (engines with ``generate_stream``)."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
 
 
 class EngineError(RuntimeError):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
 from rollout.engines.shared_prefix import NAME as SHARED_PREFIX_ATTENTION
 
@@ -77,14 +78,17 @@ class _Sequence:
     future: asyncio.Future[Generation]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the KV cache (its next position)
     row: int = -1
     finish: str | None = None
     generator: torch.Generator | None = None  # set when the request has its own sampling seed
+    progress: asyncio.Queue[int | None] | None = None  # streamed requests: token counts after each step
 
-    def emit(self, token: int, logprob: float, max_len: int) -> None:
+    def emit(self, token: int, logprob: float, weight_version: int, max_len: int) -> None:
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
+        self.output_weight_versions.append(weight_version)
         if token in self.sampling.stop_token_ids:
             self.finish = "stop"
         elif len(self.output_ids) >= self.sampling.max_new_tokens or self.length + 1 >= max_len:
@@ -183,6 +187,7 @@ class LocalEngine:
             self.device,
         )
         self._prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
+        self._flush_requested = False
         self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index == KV row
@@ -243,6 +248,38 @@ class LocalEngine:
             self._wake.set()
             raise
 
+    async def generate_stream(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str
+    ) -> AsyncIterator[PartialGeneration | Generation]:
+        """Like ``generate``, yielding the tokens so far after each decode step and the final
+        ``Generation`` last."""
+        if self._task is None:
+            raise EngineError("LocalEngine is not running: use it inside 'async with engine:'")
+        if not input_ids or len(input_ids) >= self.max_model_len:
+            yield await self.generate(input_ids, sampling, rid)
+            return
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        seq = _Sequence(rid, list(input_ids), sampling, future, progress=asyncio.Queue())
+        future.add_done_callback(lambda _: seq.progress.put_nowait(None))  # type: ignore[union-attr]
+        self._waiting.append(seq)
+        self._wake.set()
+        sent = 0
+        try:
+            while (count := await seq.progress.get()) is not None:  # type: ignore[union-attr]
+                if count > sent:
+                    sent = count
+                    yield PartialGeneration(seq.output_ids[:count], seq.output_logprobs[:count])
+            yield future.result()
+        finally:
+            if not future.done():  # the consumer went away: stop spending compute on it
+                self._aborts.add(rid)
+                self._wake.set()
+
+    def flush_cache(self) -> None:
+        """Forget the cached KV of finished prompts (at the next scheduling step)."""
+        self._flush_requested = True
+        self._wake.set()
+
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
         self._check_weights(state_dict)  # a bad update must not reach the batch (and fail its requests)
         version = self.weight_version + 1 if weight_version is None else weight_version
@@ -266,7 +303,7 @@ class LocalEngine:
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not (self._waiting or self._running or self._pending_weights or self._aborts):
+            if not (self._waiting or self._running or self._pending_weights or self._aborts or self._flush_requested):
                 self._wake.clear()
                 await self._wake.wait()
             aborts, self._aborts = self._aborts, set()
@@ -292,6 +329,9 @@ class LocalEngine:
                     future.set_result(version)
             for seq in finished:
                 self._resolve(seq, seq.finish or "abort")
+            for seq in self._running:
+                if seq.progress is not None:
+                    seq.progress.put_nowait(len(seq.output_ids))
             # yield once so that coroutines woken by these results can submit their next turn
             await asyncio.sleep(0)
 
@@ -328,9 +368,9 @@ class LocalEngine:
 
     def _resolve(self, seq: _Sequence, finish: str) -> None:
         if not seq.future.done():
-            seq.future.set_result(
-                Generation(seq.output_ids, seq.output_logprobs, finish, self.weight_version)  # type: ignore[arg-type]
-            )
+            generation = Generation(seq.output_ids, seq.output_logprobs, finish, self.weight_version)  # type: ignore[arg-type]
+            generation.output_weight_versions = seq.output_weight_versions
+            seq.future.set_result(generation)
 
     # ----- the worker thread -------------------------------------------------------------------
 
@@ -344,6 +384,9 @@ class LocalEngine:
         """One scheduling step: weights, aborts, prefill of the admitted, one decode step."""
         for state_dict, version, _ in weights:
             self._load_weights(state_dict, version)
+        if self._flush_requested:
+            self._flush_requested = False
+            self._prefix_cache.clear()
         finished: list[_Sequence] = []
         if aborts:
             for seq in list(self._running):
@@ -446,7 +489,7 @@ class LocalEngine:
             seq.row = len(self._running)
             seq.length = len(seq.prompt_ids)
             self._running.append(seq)
-            seq.emit(token, logprob, self.max_model_len)
+            seq.emit(token, logprob, self.weight_version, self.max_model_len)
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(lengths) - sum(starts)
         self.stats.cached_tokens += sum(starts)
@@ -475,7 +518,7 @@ class LocalEngine:
         )
         for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.length += 1
-            seq.emit(token, logprob, self.max_model_len)
+            seq.emit(token, logprob, self.weight_version, self.max_model_len)
         self.stats.steps += 1
         self.stats.generated_tokens += rows
         self.stats.peak_batch = max(self.stats.peak_batch, rows)

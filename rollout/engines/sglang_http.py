@@ -1,0 +1,282 @@
+"""A client of one SGLang server's native HTTP API (or of ``rallyrl serve``, which speaks it).
+
+One ``aiohttp.ClientSession`` per engine, created and closed by ``async with``, with a
+connection pool sized for thousands of requests in flight. ``generate`` posts token ids to
+``/generate`` and reads output ids, logprobs, finish reason and weight version.
+
+Failures: connection errors, timeouts and HTTP 408 / 429 / 5xx are retried with exponential
+backoff and jitter; anything else (a 400, a malformed response) fails at once. Each attempt
+has its own wire rid (``rid#attempt``), so a retry never collides with a request the server
+may still be running; a timed-out attempt is aborted on the server before the next.
+
+Weight updates: a generation aborted by the server that this client did not abort itself
+(``/pause_generation`` or ``/update_weights_from_disk`` with ``abort_all_requests``) is
+resumed: the tokens so far are kept and generation continues from them with the remaining
+budget, and every token records the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import orjson
+
+from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.sglang_protocol import generate_payload, parse_generation, parse_weight_version
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass
+class SGLangHTTPConfig:
+    """Settings of one server's client."""
+
+    timeout_s: float = 600.0
+    """Wall-clock limit of one /generate attempt (the whole response)."""
+    connect_timeout_s: float = 10.0
+    """Limit on opening a connection."""
+    max_retries: int = 5
+    """Retries of a failed attempt (connection error, timeout, 408, 429, 5xx) before giving up."""
+    backoff_s: float = 0.25
+    """First retry delay; doubles each retry, with full jitter."""
+    backoff_max_s: float = 8.0
+    """Longest retry delay."""
+    max_connections: int = 0
+    """Most open connections to the server (0: no limit, so thousands of requests can be in flight)."""
+    max_resumes: int = 32
+    """Most times one generation is resumed after server-side aborts before it is returned as aborted."""
+    control_timeout_s: float = 300.0
+    """Limit of control calls (weight updates, pause, flush, health)."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer`` when the server was started with --api-key."""
+
+
+class RetryableError(EngineError):
+    """An attempt failed in a way that a later attempt (or another server) may not."""
+
+
+class SGLangHTTPEngine:
+    """The Engine protocol over one SGLang-compatible server at ``url``."""
+
+    def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        self.url = url.rstrip("/")
+        self.config = config or SGLangHTTPConfig()
+        self.weight_version = 0
+        self.in_flight = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._wire_rids: dict[str, str] = {}  # our rid -> the wire rid of its attempt in flight
+        self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
+        self._attempts = 0
+
+    def __repr__(self) -> str:
+        return f"SGLangHTTPEngine({self.url!r})"
+
+    async def __aenter__(self) -> SGLangHTTPEngine:
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
+            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ----- generation ----------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """Continue ``input_ids``; resumed across server-side aborts (weight updates)."""
+        self._aborted.discard(rid)
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        resumes = 0
+        self.in_flight += 1
+        try:
+            while True:
+                budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
+                part = await self._generate_once(input_ids + output_ids, budget, rid)
+                output_ids += part.output_ids
+                logprobs += part.output_logprobs
+                versions += part.token_weight_versions()
+                self.weight_version = max(self.weight_version, part.weight_version)
+                resumable = part.finish_reason == "abort" and rid not in self._aborted
+                if not resumable or resumes >= self.config.max_resumes or len(output_ids) >= sampling.max_new_tokens:
+                    return Generation(
+                        output_ids, logprobs, part.finish_reason, part.weight_version,
+                        meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
+                    )  # fmt: skip
+                resumes += 1
+        finally:
+            self.in_flight -= 1
+            self._aborted.discard(rid)
+
+    async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """One /generate call, retried on transient failures."""
+        for attempt in range(self.config.max_retries + 1):
+            self._attempts += 1
+            wire_rid = f"{rid}#{self._attempts}"
+            self._wire_rids[rid] = wire_rid
+            try:
+                payload = generate_payload(input_ids, sampling, wire_rid)
+                body = await self._post("/generate", payload, self.config.timeout_s)
+                return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
+            except RetryableError as exc:
+                if isinstance(exc.__cause__, asyncio.TimeoutError):
+                    await self._abort_quietly(wire_rid)  # the server may still be running it
+                if rid in self._aborted:
+                    return Generation([], [], "abort", self.weight_version)
+                if attempt == self.config.max_retries:
+                    raise EngineError(f"{self.url}: request {rid} failed after {attempt + 1} attempts: {exc}") from exc
+                await asyncio.sleep(self._backoff(attempt))
+            finally:
+                if self._wire_rids.get(rid) == wire_rid:
+                    del self._wire_rids[rid]
+        raise AssertionError("unreachable")
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
+        return random.uniform(0, min(self.config.backoff_max_s, self.config.backoff_s * 2**attempt))
+
+    # ----- HTTP ----------------------------------------------------------------------------
+
+    def _require_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
+        return self._session
+
+    async def _post(self, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
+        """POST JSON, return the decoded body (JSON or text). Transient failures raise RetryableError."""
+        return await self._request("POST", path, payload, timeout_s)
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
+        session = self._require_session()
+        url = self.url + path
+        try:
+            async with session.request(
+                method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except asyncio.TimeoutError as exc:
+            raise RetryableError(f"{method} {url} timed out after {timeout_s:g} s") from exc
+        except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
+            raise RetryableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if status in RETRY_STATUSES:
+            raise RetryableError(f"{method} {url} answered HTTP {status}: {raw[:200].decode(errors='replace')}")
+        if status >= 400:
+            raise EngineError(f"{method} {url} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
+        try:
+            return orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            return raw.decode(errors="replace")
+
+    async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """A control call, retried like generation but named in its error."""
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return await self._request(method, path, payload, self.config.control_timeout_s)
+            except RetryableError as exc:
+                if attempt == self.config.max_retries:
+                    raise EngineError(f"{self.url}{path} failed after {attempt + 1} attempts: {exc}") from exc
+                await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    # ----- control endpoints -------------------------------------------------------------------
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (its generate returns finish "abort" and is not resumed), or all."""
+        if rid is None:
+            self._aborted.update(self._wire_rids)
+            await self._control("POST", "/abort_request", {"rid": "", "abort_all": True})
+            return
+        self._aborted.add(rid)
+        wire_rid = self._wire_rids.get(rid)
+        if wire_rid is not None:
+            await self._control("POST", "/abort_request", {"rid": wire_rid, "abort_all": False})
+
+    async def _abort_quietly(self, wire_rid: str) -> None:
+        with contextlib.suppress(EngineError):
+            await self._request("POST", "/abort_request", {"rid": wire_rid, "abort_all": False}, 5.0)
+
+    async def health(self) -> bool:
+        """True when ``/health`` answers 200 within the connect timeout."""
+        try:
+            await self._request("GET", "/health", None, self.config.connect_timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self) -> bool:
+        """True when the server can generate a token (``/health_generate``)."""
+        try:
+            await self._request("GET", "/health_generate", None, self.config.control_timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._control("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._control("GET", "/get_server_info")
+
+    async def get_weight_version(self) -> int | None:
+        """The server's weight version as ``/get_model_info`` reports it (None: never updated)."""
+        return parse_weight_version((await self.get_model_info()).get("weight_version"))
+
+    async def flush_cache(self) -> None:
+        await self._control("POST", "/flush_cache")
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating: in-flight requests are aborted (and resumed by their clients once
+        generation continues); new ones wait."""
+        await self._control("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._control("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> int:
+        """Load the weights saved at ``model_path`` (a model directory the server can read)."""
+        body = await self._control(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(model_path), "weight_version": str(weight_version), "abort_all_requests": False},
+        )
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{self.url}/update_weights_from_disk {model_path}: {body.get('message')}")
+        self.weight_version = weight_version
+        return weight_version
+
+    async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
+        """pause -> update_weights_from_disk -> continue; generation continues even if the update fails."""
+        await self.pause_generation()
+        try:
+            return await self.update_weights_from_disk(model_path, weight_version)
+        finally:
+            await self.continue_generation()
+
+    async def release_memory_occupation(self) -> None:
+        """Free the server's GPU memory (weights and KV cache) while the trainer needs it."""
+        await self._control("POST", "/release_memory_occupation", {})
+
+    async def resume_memory_occupation(self) -> None:
+        await self._control("POST", "/resume_memory_occupation", {})
+
+    async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        raise EngineError(
+            f"{self.url}: a server loads weights from disk; save them (trainer.weight_sync.save_weights) "
+            "and call sync_weights_from_disk(path, version)"
+        )

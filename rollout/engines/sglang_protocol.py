@@ -1,0 +1,131 @@
+"""SGLang's native ``/generate`` protocol in both directions: the request a client sends for
+``SamplingParams`` and the ``Generation`` it reads back. The HTTP client, the in-process
+adapter and ``rallyrl serve`` all go through these functions, so the three agree on names.
+
+A response looks like (other keys are tolerated)::
+
+    {"text": "...", "output_ids": [..],
+     "meta_info": {"id": rid, "finish_reason": {"type": "stop", "matched": 151645},
+                   "output_token_logprobs": [[logprob, token_id, text_or_null], ...],
+                   "weight_version": "3", "prompt_tokens": .., "completion_tokens": ..}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.engines.base import EngineError, Generation, SamplingParams
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+def sampling_params_payload(sampling: SamplingParams) -> dict[str, Any]:
+    """``sampling_params`` of a ``/generate`` request: the stop token kept in the output, special
+    tokens kept in the text, so that output ids are exactly what the model sampled."""
+    params: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    return params
+
+
+def generate_payload(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict[str, Any]:
+    """The body of one ``/generate`` request by token ids, with output logprobs."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params_payload(sampling),
+        "return_logprob": True,
+        "rid": rid,
+        "stream": False,
+    }
+
+
+def sampling_from_payload(params: dict[str, Any] | None) -> SamplingParams:
+    """The inverse of ``sampling_params_payload`` for a server; unknown keys are ignored.
+    Raises ValueError naming the bad field."""
+    params = params or {}
+    if not isinstance(params, dict):
+        raise ValueError("sampling_params: expected an object")
+    stop = params.get("stop_token_ids") or []
+    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+        raise ValueError("sampling_params.stop_token_ids: expected a list of token ids")
+    seed = params.get("sampling_seed", params.get("seed"))
+    try:
+        return SamplingParams(
+            max_new_tokens=int(params.get("max_new_tokens", 128)),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            stop_token_ids=stop,
+            seed=None if seed is None else int(seed),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"sampling_params: {exc}") from None
+
+
+def parse_weight_version(value: Any) -> int | None:
+    """SGLang reports weight versions as strings ("default" before any update)."""
+    if value is None or value == "default":
+        return None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
+
+
+def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generation:
+    """A ``Generation`` from one ``/generate`` response object; ``where`` (server and rid) is
+    named in the EngineError raised for a malformed response."""
+    if not isinstance(obj, dict):
+        raise EngineError(f"{where}: expected a JSON object from /generate, got {type(obj).__name__}")
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineError(f"{where}: response has no meta_info object")
+    finish = meta.get("finish_reason")
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_type not in FINISH_TYPES:
+        raise EngineError(f"{where}: meta_info.finish_reason {finish!r} is not stop, length or abort")
+    output_ids = obj.get("output_ids")
+    triples = meta.get("output_token_logprobs")
+    if output_ids is None and isinstance(triples, list):  # some versions omit output_ids
+        output_ids = [t[1] for t in triples]
+    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+        raise EngineError(f"{where}: output_ids must be a list of token ids")
+    if not isinstance(triples, list):
+        raise EngineError(f"{where}: meta_info.output_token_logprobs missing (was return_logprob sent?)")
+    if len(triples) != len(output_ids):
+        raise EngineError(f"{where}: {len(triples)} output_token_logprobs for {len(output_ids)} output_ids")
+    logprobs: list[float] = []
+    for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
+        if not isinstance(triple, (list, tuple)) or len(triple) < 2 or triple[1] != token:
+            raise EngineError(f"{where}: output_token_logprobs[{i}] {triple!r} does not match output_ids[{i}]")
+        logprobs.append(float(triple[0]))
+    version = parse_weight_version(meta.get("weight_version", obj.get("weight_version")))
+    version = default_version if version is None else version
+    return Generation(
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=finish_type,
+        weight_version=version,
+        meta={k: v for k, v in meta.items() if k not in ("output_token_logprobs", "input_token_logprobs")},
+    )
+
+
+def finish_reason_payload(generation: Generation, message: str = "") -> dict[str, Any]:
+    """SGLang's ``meta_info.finish_reason`` object for a finished generation."""
+    if generation.finish_reason == "stop":
+        return {"type": "stop", "matched": generation.output_ids[-1] if generation.output_ids else None}
+    if generation.finish_reason == "length":
+        return {"type": "length", "length": len(generation.output_ids)}
+    return {"type": "abort", "message": message or "Abort request."}
