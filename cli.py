@@ -23,7 +23,9 @@ class UserError(Exception):
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code=2)
 
 
@@ -59,9 +61,14 @@ def rollout(
     top_p: float = typer.Option(1.0, help="Nucleus sampling cut."),
     seed: int = typer.Option(0, help="Seed for the task's prompts and for sampling."),
     device: str = typer.Option("auto", help='"auto", "cpu" or "cuda".'),
+    engine_url: list[str] = typer.Option(
+        None, help="SGLang (or `rallyrl serve`) server URL; repeat for a pool. --model then names the tokenizer."
+    ),
+    engine: str = typer.Option("local", help='"local" (embedded) or "sglang" (in-process SGLang, CUDA).'),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
-    """Roll out prompts through the embedded engine, with tool calls, and write trajectories to JSONL."""
+    """Roll out prompts with tool calls through the embedded engine, SGLang servers or in-process
+    SGLang, and write trajectories to JSONL as they finish."""
     from data.schema import RecordError
     from rollout.engines.base import EngineError
     from rollout.tokens import TemplateError
@@ -70,6 +77,8 @@ def rollout(
     try:
         if task is not None and data is not None:
             raise UserError("give --task or --data, not both")
+        if engine not in ("local", "sglang"):
+            raise UserError(f"--engine must be local or sglang, got {engine!r}")
         model_dir = _resolve_model(model)
         records = _load_prompts(task, data, num_prompts, seed)
         from rollout.loop import RolloutConfig  # heavy imports only when the command runs
@@ -82,9 +91,11 @@ def rollout(
             top_p=top_p,
         )
         result = asyncio.run(
-            _local_rollout(
+            _rollout(
                 model_dir,
                 records,
+                engine_urls=engine_url or [],
+                engine_kind=engine,
                 samples=samples,
                 tools_path=tools,
                 config=config,
@@ -103,10 +114,12 @@ def rollout(
     console.print(f"wrote {len(result.requests)} trajectories to {out}")
 
 
-async def _local_rollout(
+async def _rollout(
     model_dir: Path,
     records,
     *,
+    engine_urls: list[str],
+    engine_kind: str,
     samples: int,
     tools_path: Path | None,
     config,
@@ -116,8 +129,7 @@ async def _local_rollout(
     device: str,
     progress: bool,
 ):
-    """Embedded engine + chat tokenizer + tools + runner, wired for one rollout."""
-    from rollout.engines.local import LocalEngine, LocalEngineConfig
+    """Engine + chat tokenizer + tools + runner, wired for one rollout."""
     from rollout.runner import RolloutRunner
     from rollout.tokens import ChatTokenizer, load_tokenizer
     from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
@@ -125,14 +137,34 @@ async def _local_rollout(
     tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
     tokenizer = load_tokenizer(model_dir)
     chat = ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
-    engine_config = LocalEngineConfig(
-        max_batch_size=max(1, max_concurrency), max_model_len=config.max_model_len, device=device, seed=seed
-    )
-    async with LocalEngine.from_pretrained(model_dir, engine_config) as engine:
+    async with _open_engine(
+        model_dir, engine_urls, engine_kind, max_concurrency, config.max_model_len, device, seed
+    ) as engine:
         runner = RolloutRunner(
             engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress, console=console
         )
         return await runner.run(records, samples, out_path)
+
+
+def _open_engine(model_dir: Path, engine_urls: list[str], kind: str, max_batch_size: int, max_model_len: int,
+                 device: str, seed: int):  # fmt: skip
+    """The engine of a command, not yet entered: servers (--engine-url), in-process SGLang or embedded."""
+    if engine_urls:
+        from rollout.engines.pool import connect
+
+        try:
+            return connect(engine_urls)
+        except ValueError as exc:
+            raise UserError(f"--engine-url: {exc}") from None
+    if kind == "sglang":
+        from rollout.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_pretrained(str(model_dir))
+    from rollout.engines.local import LocalEngine, LocalEngineConfig
+
+    config = LocalEngineConfig(max_batch_size=max(1, max_batch_size), max_model_len=max_model_len, device=device,
+                               seed=seed)  # fmt: skip
+    return LocalEngine.from_pretrained(model_dir, config)
 
 
 def _load_prompts(task: str | None, data: Path | None, num_prompts: int | None, seed: int):
@@ -166,9 +198,13 @@ def train(
     lr: float = typer.Option(None, help="Learning rate."),
     seed: int = typer.Option(None, help="Seed."),
     progress: bool = typer.Option(None, help="Show a progress bar of the steps."),
+    engine_url: list[str] = typer.Option(
+        None, help="Roll out on this SGLang (or `rallyrl serve`) server; repeat for several. Weights sync via disk."
+    ),
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
     from data.schema import RecordError
+    from rollout.engines.base import EngineError
     from trainer.config import load_config
     from trainer.grpo import train as run_train
 
@@ -183,11 +219,12 @@ def train(
         "lr": lr,
         "seed": seed,
         "progress": progress,
+        "engine_urls": engine_url or None,
     }
     try:
         grpo_config = load_config(config, overrides)
         history = run_train(grpo_config, resume=resume)
-    except (RecordError, ValueError) as exc:
+    except (RecordError, ValueError, EngineError) as exc:
         raise _fail(str(exc)) from None
     if history:
         last = history[-1]
@@ -301,6 +338,62 @@ async def _local_eval(model_dir, records, samples, tools_path, max_turns, max_ne
     config = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=1.0)
     async with LocalEngine.from_pretrained(model_dir, LocalEngineConfig(max_batch_size=256)) as engine:
         return await run_eval(engine, chat, tools, records, config, samples=samples, progress=progress)
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(None, help="Model directory to serve (default: the embedded model)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (loopback by default)."),
+    port: int = typer.Option(30000, help="Port (0: pick a free one and print it)."),
+    max_batch_size: int = typer.Option(256, help="Most sequences decoded together."),
+    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
+    device: str = typer.Option("auto", help='"auto", "cpu" or "cuda".'),
+    seed: int = typer.Option(0, help="Seed of the sampling generator."),
+    served_model_name: str = typer.Option(None, help="Model name in the OpenAI API."),
+    tool_parser: str = typer.Option("qwen25", help="Tool-call parser of /v1/chat/completions."),
+    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
+) -> None:
+    """Serve a model with the embedded engine behind SGLang's HTTP API (and OpenAI's)."""
+    from rollout.parsers import get_parser
+
+    try:
+        model_dir = _resolve_model(model)
+        get_parser(tool_parser)
+        if not 0 <= port < 65536:
+            raise UserError(f"--port must be in 0..65535, got {port}")
+        asyncio.run(
+            _serve(model_dir, host, port, max_batch_size, max_model_len, device, seed, served_model_name,
+                   tool_parser, api_key)
+        )  # fmt: skip
+    except (UserError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:  # the port is taken, the address cannot be bound
+        raise _fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:
+        console.print("server stopped")
+
+
+async def _serve(model_dir, host, port, max_batch_size, max_model_len, device, seed, served_model_name,
+                 tool_parser, api_key) -> None:  # fmt: skip
+    from rollout.engines.local import LocalEngine, LocalEngineConfig
+    from rollout.server import ServeConfig, serve
+    from rollout.tokens import load_tokenizer
+
+    config = ServeConfig(
+        model_path=str(model_dir.resolve()), host=host, port=port, served_model_name=served_model_name,
+        tool_parser=tool_parser, api_key=api_key, max_batch_size=max_batch_size,
+    )  # fmt: skip
+    engine_config = LocalEngineConfig(
+        max_batch_size=max_batch_size, max_model_len=max_model_len, device=device, seed=seed
+    )
+    ready = asyncio.Event()
+    async with LocalEngine.from_pretrained(model_dir, engine_config) as engine:
+        task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
+        await asyncio.wait([task, asyncio.create_task(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # raises the bind error
+        console.print(f"serving {model_dir} on http://{host}:{config.port}", highlight=False)
+        await task
 
 
 @app.command("new-model")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +42,8 @@ class GRPOConfig:
     top_p: float = 1.0
     max_concurrency: int = 256
     """Requests in flight during a rollout (per process)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """SGLang (or ``rallyrl serve``) servers to roll out on; empty: the embedded engine in-process."""
 
     # --- advantages ---
     advantage_mode: Literal["trajectory", "broadcast", "per_step"] = "trajectory"

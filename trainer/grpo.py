@@ -37,6 +37,7 @@ from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import Engine
 from rollout.engines.local import LocalEngine, LocalEngineConfig
+from rollout.engines.pool import connect
 from rollout.loop import RewardFn, RolloutConfig, default_reward
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
@@ -51,6 +52,7 @@ from trainer.advantages import (
 from trainer.batch import Sample, TrainBatch, collate, micro_batches, step_rewards, step_samples, trajectory_sample
 from trainer.config import GRPOConfig
 from trainer.losses import entropy_from_logits, policy_loss, token_logprobs, truncated_is_weights
+from trainer.weight_sync import loads_from_disk, sync_weights
 
 
 @dataclass
@@ -167,16 +169,16 @@ class GRPOTrainer:
         update = self.update(samples)
         train_s = time.monotonic() - started
 
-        # 4. sync the engine
+        # 4. sync the engine (servers: save, then pause -> load -> continue)
         started = time.monotonic()
         if self.engine is not None:
-            await self.engine.update_weights(self.policy_state_dict(), weight_version=self.state.step + 1)
+            await self.sync(self.engine, self.state.step + 1)
         sync_s = time.monotonic() - started
 
         # 5. log
+        rollout = self.rollout_metrics(requests, policy_version=self.state.step)
         self.state.step += 1
         self.state.data_position = self.prompts.position
-        rollout = self.rollout_metrics(requests)
         metrics = {
             "step": self.state.step,
             **rollout,
@@ -369,8 +371,21 @@ class GRPOTrainer:
         gathered = self.accelerator.gather(torch.tensor([value], device=self.accelerator.device))
         return int(gathered.max())
 
-    def rollout_metrics(self, requests: list[AsyncRolloutRequest]) -> dict[str, float]:
-        """Reward mean and std, accuracy, lengths, turns, tool calls over every process's requests."""
+    async def sync(self, engine: Engine, version: int) -> None:
+        """The policy's weights to ``engine`` as ``version``. Servers are shared by every process,
+        so the main process saves and syncs them while the others wait."""
+        policy = self.accelerator.unwrap_model(self.model)
+        if not loads_from_disk(engine):
+            await sync_weights(engine, policy, self.tokenizer, self.out / "weights", version)
+            return
+        if self.is_main:
+            await sync_weights(engine, policy, self.tokenizer, self.out / "weights", version)
+        self.accelerator.wait_for_everyone()
+
+    def rollout_metrics(self, requests: list[AsyncRolloutRequest], policy_version: int = 0) -> dict[str, float]:
+        """Reward mean and std, accuracy, lengths, turns, tool calls, and staleness (the policy
+        version minus the weight version that produced each generated token) over every process."""
+        gaps = [policy_version - v for r in requests for v in r.weight_versions if v is not None]
         sums = self._sum_across_processes(
             {
                 "n": len(requests),
@@ -384,8 +399,11 @@ class GRPOTrainer:
                 "tool_errors": sum(r.metrics.tool_errors for r in requests),
                 "errors": sum(r.finish_reason is not None and r.finish_reason.value == "error" for r in requests),
                 "truncated": sum(r.finish_reason is not None and r.finish_reason.value == "length" for r in requests),
+                "stale_sum": sum(gaps),
+                "stale_tokens": len(gaps),
             }
         )
+        stale_max = self._max_across_processes(max(gaps, default=0))
         n = max(sums["n"], 1.0)
         mean = sums["reward"] / n
         return {
@@ -400,6 +418,9 @@ class GRPOTrainer:
             "error_rate": sums["errors"] / n,
             "truncated_rate": sums["truncated"] / n,
             "generated_tokens": sums["response_length"],
+            "weight_version": policy_version,
+            "staleness_mean": sums["stale_sum"] / sums["stale_tokens"] if sums["stale_tokens"] else 0.0,
+            "staleness_max": stale_max,
         }
 
     # ----- the run: steps, logs, checkpoints ---------------------------------------------------------
@@ -415,11 +436,13 @@ class GRPOTrainer:
         elif self.is_main and (self.out / "metrics.jsonl").exists():
             (self.out / "metrics.jsonl").unlink()
         owned = self.engine is None
-        engine = self.local_engine() if owned else self.engine
-        self.engine = engine
+        if owned:
+            self.engine = connect(config.engine_urls) if config.engine_urls else self.local_engine()
+        engine = self.engine
         async with _maybe_enter(engine, owned):
-            if resume and self.state.step:
-                await engine.update_weights(self.policy_state_dict(), weight_version=self.state.step)
+            if loads_from_disk(engine) or (resume and self.state.step):
+                # servers started from any checkpoint of this model get exactly the policy's weights
+                await self.sync(engine, self.state.step)
             runner = RolloutRunner(
                 engine, self.chat, self.tools, self.rollout_config,
                 max_concurrency=config.max_concurrency, reward_fn=self.reward_fn, progress=False,
@@ -464,6 +487,7 @@ class GRPOTrainer:
             f"kl {metrics['kl']:.4f}  clip {metrics['clip_fraction']:.3f}  ent {metrics['entropy']:.3f}  "
             f"gnorm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  "
             f"rollout {metrics['rollout_s']:.1f}s train {metrics['train_s']:.1f}s sync {metrics['sync_s']:.2f}s  "
+            f"stale {metrics['staleness_mean']:.2f}  "
             f"{metrics['train_tokens_per_s']:.0f} train tok/s",
             highlight=False,
         )

@@ -60,6 +60,11 @@ class RetryableError(EngineError):
     """An attempt failed in a way that a later attempt (or another server) may not."""
 
 
+class ServerUnavailableError(EngineError):
+    """A server stayed unreachable (or kept answering 408 / 429 / 5xx) through every retry:
+    another server may still serve the request."""
+
+
 class SGLangHTTPEngine:
     """The Engine protocol over one SGLang-compatible server at ``url``."""
 
@@ -139,7 +144,8 @@ class SGLangHTTPEngine:
                 if rid in self._aborted:
                     return Generation([], [], "abort", self.weight_version)
                 if attempt == self.config.max_retries:
-                    raise EngineError(f"{self.url}: request {rid} failed after {attempt + 1} attempts: {exc}") from exc
+                    message = f"{self.url}: request {rid} failed after {attempt + 1} attempts: {exc}"
+                    raise ServerUnavailableError(message) from exc
                 await asyncio.sleep(self._backoff(attempt))
             finally:
                 if self._wire_rids.get(rid) == wire_rid:
@@ -190,7 +196,8 @@ class SGLangHTTPEngine:
                 return await self._request(method, path, payload, self.config.control_timeout_s)
             except RetryableError as exc:
                 if attempt == self.config.max_retries:
-                    raise EngineError(f"{self.url}{path} failed after {attempt + 1} attempts: {exc}") from exc
+                    message = f"{self.url}{path} failed after {attempt + 1} attempts: {exc}"
+                    raise ServerUnavailableError(message) from exc
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")
 

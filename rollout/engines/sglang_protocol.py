@@ -12,6 +12,7 @@ A response looks like (other keys are tolerated)::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
@@ -71,17 +72,14 @@ def sampling_from_payload(params: dict[str, Any] | None) -> SamplingParams:
 
 
 def parse_weight_version(value: Any) -> int | None:
-    """SGLang reports weight versions as strings ("default" before any update)."""
-    if value is None or value == "default":
-        return None
-    if isinstance(value, bool):
+    """SGLang reports weight versions as strings: "default" before any update (None here), then
+    whatever the updater named them; "7" and "step_7" both read as 7."""
+    if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
         return value
-    try:
-        return int(str(value))
-    except ValueError:
-        return None
+    match = re.search(r"(\d+)$", str(value))
+    return int(match.group(1)) if match else None
 
 
 def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generation:
@@ -128,4 +126,4 @@ def finish_reason_payload(generation: Generation, message: str = "") -> dict[str
         return {"type": "stop", "matched": generation.output_ids[-1] if generation.output_ids else None}
     if generation.finish_reason == "length":
         return {"type": "length", "length": len(generation.output_ids)}
-    return {"type": "abort", "message": message or "Abort request."}
+    return {"type": "abort", "message": message or "Aborted", "status_code": None, "err_type": None}

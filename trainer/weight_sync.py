@@ -1,0 +1,53 @@
+"""Weight sync from the trainer to its engine after each optimizer step.
+
+In-process engines (the embedded one, in-process SGLang) take the state dict directly. Servers
+(``--engine-url``) take a saved model directory: the policy is written in safetensors to
+``out/weights/v{version}`` (a temporary directory renamed into place, so a server never reads
+half a file), then every server is paused, loads it through ``/update_weights_from_disk`` and
+continues. The servers must see the trainer's filesystem at that path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.engines.base import Engine
+
+KEEP_WEIGHT_DIRS = 2
+"""Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
+
+
+def loads_from_disk(engine: Engine) -> bool:
+    """True for engines that are servers (they load saved weights, not tensors)."""
+    return hasattr(engine, "sync_weights_from_disk")
+
+
+def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> Path:
+    """Save ``model`` (safetensors, config, tokenizer) as ``weights_dir/v{version:06d}``, atomically;
+    older versions beyond ``KEEP_WEIGHT_DIRS`` are removed."""
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    final = weights_dir / f"v{version:06d}"
+    partial = weights_dir / f"v{version:06d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    saved = sorted(p for p in weights_dir.glob("v*") if not p.name.endswith(".partial"))
+    for old in saved[:-KEEP_WEIGHT_DIRS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+async def sync_weights(engine: Engine, model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> int:
+    """Give ``engine`` the weights of ``model`` as ``version``; returns the version it reports."""
+    if loads_from_disk(engine):
+        path = save_weights(model, tokenizer, weights_dir, version)
+        return await engine.sync_weights_from_disk(str(path.resolve()), version)  # type: ignore[attr-defined]
+    return await engine.update_weights(model.state_dict(), weight_version=version)
