@@ -217,3 +217,33 @@ async def test_rollout_through_sglang_router_in_front_of_two_servers(tmp_path):
     assert result.summary.finish_reasons.get("error", 0) == 0
     assert result.summary.consistency_failures == 0
     assert all(count > 0 for count in served), served  # the router spread the requests over both
+
+
+def test_cli_rollout_with_engine_url_writes_valid_trajectories(tmp_path):
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
+        out = tmp_path / "rollouts.jsonl"
+        made = run_cli("rollout", "--num-prompts", "16", "-n", "2", "--engine-url", server.url, "--out", str(out),
+                       "--no-progress")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        served = get_json(f"{server.url}/get_server_info")["internal_states"][0]["requests"]
+    assert len(read_jsonl(out)) == 32
+    assert served >= 32
+    assert run_cli("check", str(out)).returncode == 0
+
+
+def test_serve_on_a_taken_port_fails_with_a_clear_error(tmp_path):
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
+        port = server.url.rsplit(":", 1)[1]
+        again = run_cli("serve", "--port", port, timeout=120)
+    assert again.returncode == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in again.stderr
+
+
+def test_rollout_against_an_unreachable_server_ends_every_request_with_an_error(tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    made = run_cli("rollout", "--num-prompts", "4", "--engine-url", url, "--out", str(out), "--no-progress")
+    assert made.returncode == 0, made.stderr
+    lines = read_jsonl(out)
+    assert len(lines) == 4
+    assert all(line["finish_reason"] == "error" and url in line["error"] for line in lines)
