@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,9 @@ from rollout.parsers import get_parser
 from rollout.tokens import ChatTokenizer, TemplateError
 
 SERVER_VERSION = "rallyrl-0.1.0"
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+"""Paths answered without the API key (as in SGLang), so that health probes need no secret."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class EngineServer:
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = config.served_model_name or Path(config.model_path).name
+        self.vocab_size: int | None = _model_config(config.model_path).get("vocab_size")
         self.weight_version: int | None = None  # None until the first update ("default" in SGLang)
         self.started = time.time()
         self._open = asyncio.Event()  # set while new requests may start
@@ -108,7 +113,8 @@ class EngineServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """API key check; bad requests and engine failures as JSON errors in SGLang's shapes."""
-        if self.config.api_key and request.headers.get("Authorization") != f"Bearer {self.config.api_key}":
+        authorized = request.headers.get("Authorization") == f"Bearer {self.config.api_key}"
+        if self.config.api_key and not authorized and request.path not in OPEN_PATHS:
             return _error(request, 401, "missing or wrong API key (Authorization: Bearer ...)")
         try:
             return await handler(request)
@@ -116,6 +122,11 @@ class EngineServer:
             return _error(request, 400, str(exc))
         except EngineError as exc:
             return _error(request, 500, f"engine error: {exc}")
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # a bug: answer, log the trace, keep serving
+            logger.exception("%s %s failed", request.method, request.path)
+            return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -161,12 +172,15 @@ class EngineServer:
         """(input_ids, sampling, rid, return_logprob) per prompt, and whether the request was a batch."""
         if "input_ids" in body and body["input_ids"] is not None:
             prompts = body["input_ids"]
-            batched = bool(prompts) and isinstance(prompts[0], list)
+            if not isinstance(prompts, list) or not prompts:
+                raise BadRequest("input_ids: expected a non-empty list of token ids (or a list of such lists)")
+            batched = isinstance(prompts[0], list)
             prompts = prompts if batched else [prompts]
             for i, ids in enumerate(prompts):
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise BadRequest(f"input_ids[{i}]: expected a non-empty list of token ids" if batched else
-                                     "input_ids: expected a non-empty list of token ids")  # fmt: skip
+                name = f"input_ids[{i}]" if batched else "input_ids"
+                if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+                    raise BadRequest(f"{name}: expected a non-empty list of token ids")
+                self._check_vocabulary(ids, name)
         elif isinstance(body.get("text"), (str, list)):
             texts = body["text"]
             batched = isinstance(texts, list)
@@ -201,6 +215,12 @@ class EngineServer:
             raise BadRequest(str(exc)) from None
         items = [(ids, s, str(r), bool(lp)) for ids, s, r, lp in zip(prompts, samplings, rids, logprob, strict=True)]
         return items, batched
+
+    def _check_vocabulary(self, ids: list[int], name: str) -> None:
+        low, high = min(ids), max(ids)
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            bad = low if low < 0 else high
+            raise BadRequest(f"{name}: token id {bad} is outside the vocabulary (0..{(self.vocab_size or 0) - 1})")
 
     def _generate_output(
         self, input_ids: list[int], generation: Generation | PartialGeneration, rid: str, logprob: bool, latency: float
@@ -382,7 +402,8 @@ class EngineServer:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompts = [self._encode(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            self._check_vocabulary(prompt, "prompt")
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompts = [self._encode(p) for p in prompt]
@@ -402,7 +423,8 @@ class EngineServer:
                             "matched_stop": None})  # fmt: skip
             _add_usage(usage, ids, generation)
         return _json({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": self.model_name, "choices": choices, "usage": usage})  # fmt: skip
+                      "model": self.model_name, "choices": choices, "usage": usage,
+                      "metadata": {"weight_version": self._version_text()}})  # fmt: skip
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """Chat with tools: the chat template renders ``messages`` and ``tools``; tool calls in the
@@ -450,7 +472,8 @@ class EngineServer:
             choices.append(choice)
             _add_usage(usage, prompt_ids, generation)
         completion = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                      "model": self.model_name, "choices": choices, "usage": usage}  # fmt: skip
+                      "model": self.model_name, "choices": choices, "usage": usage,
+                      "metadata": {"weight_version": self._version_text()}}  # fmt: skip
         if body.get("stream"):
             return await self._chat_stream(request, completion)
         return _json(completion)

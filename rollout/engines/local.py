@@ -236,6 +236,7 @@ class LocalEngine:
             raise EngineError("LocalEngine is not running: use it inside 'async with engine:'")
         if not input_ids:
             raise EngineError(f"request {rid}: empty input_ids")
+        self.check_token_ids(input_ids, rid)
         if len(input_ids) >= self.max_model_len:
             return Generation([], [], "length", self.weight_version)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
@@ -248,6 +249,14 @@ class LocalEngine:
             self._wake.set()
             raise
 
+    def check_token_ids(self, input_ids: list[int], rid: str) -> None:
+        """A token id outside the vocabulary would fail the whole batch's step: refuse it here."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        low, high = min(input_ids), max(input_ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise EngineError(f"request {rid}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
     async def generate_stream(
         self, input_ids: list[int], sampling: SamplingParams, rid: str
     ) -> AsyncIterator[PartialGeneration | Generation]:
@@ -258,6 +267,7 @@ class LocalEngine:
         if not input_ids or len(input_ids) >= self.max_model_len:
             yield await self.generate(input_ids, sampling, rid)
             return
+        self.check_token_ids(input_ids, rid)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         seq = _Sequence(rid, list(input_ids), sampling, future, progress=asyncio.Queue())
         future.add_done_callback(lambda _: seq.progress.put_nowait(None))  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.sglang_http import ServerUnavailableError, SGLangHTTPConfig, SGLangHTTPEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +55,7 @@ class _Server:
     engine: SGLangHTTPEngine
     healthy: bool = True
     failed_checks: int = 0
-    weight_version: int = 0
+    weight_version: int | None = 0  # None: unknown (it was out, and may have restarted since)
     stats: ServerStats = field(default_factory=ServerStats)
 
     @property
@@ -152,7 +155,9 @@ class EnginePool:
     def _eject(self, server: _Server, reason: str) -> None:
         if server.healthy:
             server.healthy = False
+            server.weight_version = None  # whatever comes back at this URL may have restarted
             server.stats.ejections += 1
+            logger.warning("engine pool: taking %s out: %s", server.url, reason)
 
     # ----- health ----------------------------------------------------------------------------
 
@@ -179,6 +184,7 @@ class EnginePool:
                 server.weight_version = self.weight_version
             server.healthy, server.failed_checks = True, 0
             self._back.set()
+            logger.warning("engine pool: %s is back (weight version %s)", server.url, server.weight_version)
 
     async def health(self) -> bool:
         return any(s.healthy for s in self.servers)

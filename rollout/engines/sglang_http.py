@@ -78,6 +78,7 @@ class SGLangHTTPEngine:
         self._session: aiohttp.ClientSession | None = None
         self._wire_rids: dict[str, str] = {}  # our rid -> the wire rid of its attempt in flight
         self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
+        self._active: set[str] = set()  # rids inside generate (in flight or between retries)
         self._attempts = 0
 
     def __repr__(self) -> str:
@@ -104,6 +105,7 @@ class SGLangHTTPEngine:
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
         """Continue ``input_ids``; resumed across server-side aborts (weight updates)."""
         self._aborted.discard(rid)
+        self._active.add(rid)
         output_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -127,10 +129,13 @@ class SGLangHTTPEngine:
         finally:
             self.in_flight -= 1
             self._aborted.discard(rid)
+            self._active.discard(rid)
 
     async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
         """One /generate call, retried on transient failures."""
         for attempt in range(self.config.max_retries + 1):
+            if rid in self._aborted:  # aborted while waiting to retry
+                return Generation([], [], "abort", self.weight_version)
             self._attempts += 1
             wire_rid = f"{rid}#{self._attempts}"
             self._wire_rids[rid] = wire_rid
@@ -139,10 +144,10 @@ class SGLangHTTPEngine:
                 body = await self._post("/generate", payload, self.config.timeout_s)
                 return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
             except RetryableError as exc:
-                if isinstance(exc.__cause__, asyncio.TimeoutError):
+                if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
+                    exc.__cause__, aiohttp.ConnectionTimeoutError
+                ):
                     await self._abort_quietly(wire_rid)  # the server may still be running it
-                if rid in self._aborted:
-                    return Generation([], [], "abort", self.weight_version)
                 if attempt == self.config.max_retries:
                     message = f"{self.url}: request {rid} failed after {attempt + 1} attempts: {exc}"
                     raise ServerUnavailableError(message) from exc
@@ -171,11 +176,12 @@ class SGLangHTTPEngine:
         session = self._require_session()
         url = self.url + path
         try:
-            async with session.request(
-                method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as response:
+            timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
+            async with session.request(method, url, json=payload, timeout=timeout) as response:
                 raw = await response.read()
                 status = response.status
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
         except asyncio.TimeoutError as exc:
             raise RetryableError(f"{method} {url} timed out after {timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
@@ -206,7 +212,7 @@ class SGLangHTTPEngine:
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (its generate returns finish "abort" and is not resumed), or all."""
         if rid is None:
-            self._aborted.update(self._wire_rids)
+            self._aborted.update(self._active)
             await self._control("POST", "/abort_request", {"rid": "", "abort_all": True})
             return
         self._aborted.add(rid)

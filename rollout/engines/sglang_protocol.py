@@ -58,16 +58,24 @@ def sampling_from_payload(params: dict[str, Any] | None) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
         raise ValueError("sampling_params.stop_token_ids: expected a list of token ids")
     seed = params.get("sampling_seed", params.get("seed"))
+
+    def number(name: str, kind: type, default: Any) -> Any:
+        value = params.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            expected = "an integer" if kind is int else "a number"
+            raise ValueError(f"sampling_params.{name}: expected {expected}, got {value!r}")
+        return kind(value)
+
+    values = {
+        "max_new_tokens": number("max_new_tokens", int, 128),
+        "temperature": number("temperature", float, 1.0),
+        "top_p": number("top_p", float, 1.0),
+        "top_k": number("top_k", int, -1),
+        "seed": None if seed is None else number("sampling_seed" if "sampling_seed" in params else "seed", int, 0),
+    }
     try:
-        return SamplingParams(
-            max_new_tokens=int(params.get("max_new_tokens", 128)),
-            temperature=float(params.get("temperature", 1.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            top_k=int(params.get("top_k", -1)),
-            stop_token_ids=stop,
-            seed=None if seed is None else int(seed),
-        )
-    except (TypeError, ValueError) as exc:
+        return SamplingParams(stop_token_ids=stop, **values)
+    except ValueError as exc:
         raise ValueError(f"sampling_params: {exc}") from None
 
 
