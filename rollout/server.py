@@ -31,7 +31,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
-from rollout.engines.sglang_protocol import finish_reason_payload, sampling_from_payload
+from rollout.engines.sglang_protocol import finish_reason_payload, parse_weight_version, sampling_from_payload
 from rollout.parsers import get_parser
 from rollout.tokens import ChatTokenizer, TemplateError
 
@@ -187,13 +187,15 @@ class EngineServer:
             if not all(isinstance(t, str) for t in (texts if batched else [texts])):
                 raise BadRequest("text: expected a string or a list of strings")
             prompts = [self._encode(t) for t in (texts if batched else [texts])]
+            if not all(prompts):
+                raise BadRequest("text: an empty prompt (no tokens)")
         else:
             raise BadRequest("give text or input_ids")
         count = len(prompts)
 
         def per_prompt(name: str, default: Any) -> list[Any]:
             value = body.get(name, default)
-            if batched and isinstance(value, list) and name != "input_ids":
+            if batched and isinstance(value, list):
                 if len(value) != count:
                     raise BadRequest(f"{name}: {len(value)} values for {count} prompts")
                 return value
@@ -409,6 +411,8 @@ class EngineServer:
             prompts = [self._encode(p) for p in prompt]
         else:
             raise BadRequest("prompt: expected a string, a list of strings or a list of token ids")
+        if not all(prompts):
+            raise BadRequest("prompt: an empty prompt (no tokens)")
         if body.get("stream"):
             raise BadRequest("stream: streamed /v1/completions is not supported by rallyrl serve; use /generate")
         sampling, n, stops = self._openai_sampling(body, [], default_max_tokens=16)
@@ -561,11 +565,9 @@ def load_weights_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _version_number(requested: Any, current: int | None) -> int:
-    """The new weight version: the requested one when it is a number, else the next."""
-    try:
-        return int(requested)
-    except (TypeError, ValueError):
-        return (current or 0) + 1
+    """The new weight version: the requested one when it names a number ("7", "step_7"), else the next."""
+    number = parse_weight_version(requested)
+    return (current or 0) + 1 if number is None else number
 
 
 def _model_config(model_path: str) -> dict[str, Any]:
