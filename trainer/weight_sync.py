@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from rollout.engines.base import Engine
 
@@ -34,7 +35,11 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, vers
     final = weights_dir / f"v{version:06d}"
     partial = weights_dir / f"v{version:06d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
+    hf_logging.disable_progress_bar()  # one save per step: no "Writing model shards" bar each time
+    try:
+        model.save_pretrained(partial, safe_serialization=True)
+    finally:
+        hf_logging.enable_progress_bar()
     if tokenizer is not None:
         tokenizer.save_pretrained(partial)
     shutil.rmtree(final, ignore_errors=True)
