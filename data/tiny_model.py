@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-calc"
@@ -51,10 +51,14 @@ def char_vocab() -> list[str]:
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level ``PreTrainedTokenizerFast`` (tokenizers WordLevel) with the chat template."""
+    """A character-level ``PreTrainedTokenizerFast`` with the chat template: one token per character.
+
+    It is a BPE model with no merges and no pre-tokenizer, which splits text into characters
+    (an unknown one becomes ``<unk>``) about three times faster than a per-character regex
+    pre-tokenizer in front of a WordLevel model, with the same ids.
+    """
     vocab = {token: i for i, token in enumerate(char_vocab())}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,

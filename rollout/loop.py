@@ -195,14 +195,13 @@ async def _call_tool(
     else:
         execute_kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         try:
-            response = await asyncio.wait_for(
-                tool.execute(request.tool_instance_ids[call.name], call.arguments or {}, **execute_kwargs),
-                config.tool_timeout_s,
-            )
+            instance_id = request.tool_instance_ids[call.name]
+            async with asyncio.timeout(config.tool_timeout_s):  # no extra task, unlike wait_for
+                response = await tool.execute(instance_id, call.arguments or {}, **execute_kwargs)
             if not isinstance(response, ToolResponse):
                 raise TypeError(f"execute returned {type(response).__name__}, not ToolResponse")
             record.text, record.reward, record.metrics = str(response.text), float(response.reward), response.metrics
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error = f"tool {call.name} timed out after {config.tool_timeout_s:g} s"
         except ToolError as exc:
             error = str(exc)
@@ -241,7 +240,8 @@ async def _score(
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
         try:
-            reward = await asyncio.wait_for(tool.calc_reward(instance_id, **kwargs), config.tool_reward_timeout_s)
+            async with asyncio.timeout(config.tool_reward_timeout_s):
+                reward = await tool.calc_reward(instance_id, **kwargs)
             request.rewards.tools[tool.name] = float(reward)
         except Exception as exc:
             request.rewards.tools[tool.name] = 0.0
@@ -262,7 +262,8 @@ async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, s
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
         try:
-            await asyncio.wait_for(tool.release(instance_id, **kwargs), config.tool_reward_timeout_s)
+            async with asyncio.timeout(config.tool_reward_timeout_s):
+                await tool.release(instance_id, **kwargs)
         except Exception as exc:
             _note_error(request, f"release of {tool.name} failed: {type(exc).__name__}: {exc}")
 

@@ -277,7 +277,7 @@ class EngineServer:
         try:
             sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
             await asyncio.wait_for(self.engine.generate(ids, sampling, f"health-{uuid.uuid4().hex}"), 20)
-        except (EngineError, asyncio.TimeoutError):
+        except (TimeoutError, EngineError):
             return web.Response(status=503)
         return web.Response(status=200)
 

@@ -30,6 +30,23 @@ _BASE_MESSAGES = [
 _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
+def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
+    """The Rust tokenizer behind a fast tokenizer when calling it directly gives the same ids and
+    text as the transformers wrapper on ``probe`` (a rendered conversation, special tokens and
+    all), else None. Skipping the wrapper saves tens of microseconds a call, every turn."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        ids = tokenizer.encode(probe, add_special_tokens=False)
+        same_ids = backend.encode(probe, add_special_tokens=False).ids == ids
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        same_text = backend.decode(ids, skip_special_tokens=False) == text
+    except Exception:  # an unusual backend: keep the wrapper
+        return None
+    return backend if same_ids and same_text else None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load a local tokenizer as its directory declares it (nothing is downloaded).
 
@@ -69,7 +86,9 @@ class ChatTokenizer:
             raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self._backend = None
         base_text = self.render(_BASE_MESSAGES)
+        self._backend = _same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
         cut = base_text.rfind(_SENTINEL)
         if cut < 0:
             raise TemplateError("the chat template does not render assistant content as given")
@@ -92,9 +111,13 @@ class ChatTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -146,7 +146,7 @@ class EnginePool:
             return
         try:
             await asyncio.wait_for(self._back.wait(), self.config.wait_for_server_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             urls = ", ".join(s.url for s in self.servers)
             raise EngineError(
                 f"request {rid}: no healthy server among {urls} for {self.config.wait_for_server_s:g} s"

@@ -25,11 +25,13 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.sglang_protocol import generate_payload, parse_generation, parse_weight_version
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -80,6 +82,8 @@ class SGLangHTTPEngine:
         self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
         self._active: set[str] = set()  # rids inside generate (in flight or between retries)
         self._attempts = 0
+        self._urls: dict[str, yarl.URL] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def __repr__(self) -> str:
         return f"SGLangHTTPEngine({self.url!r})"
@@ -91,7 +95,7 @@ class SGLangHTTPEngine:
             connector=connector,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
-            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            cookie_jar=aiohttp.DummyCookieJar(),  # servers set none; skips a cookie filter per request
         )
         return self
 
@@ -163,6 +167,21 @@ class SGLangHTTPEngine:
 
     # ----- HTTP ----------------------------------------------------------------------------
 
+    def _url(self, path: str) -> yarl.URL:
+        """Parsed once per path (parsing a URL string costs more than the rest of a request's setup)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = yarl.URL(self.url + path)
+        return url
+
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        timeout = self._timeouts.get(total_s)
+        if timeout is None:
+            timeout = self._timeouts[total_s] = aiohttp.ClientTimeout(
+                total=total_s, connect=self.config.connect_timeout_s
+            )
+        return timeout
+
     def _require_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
@@ -174,15 +193,16 @@ class SGLangHTTPEngine:
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
         session = self._require_session()
-        url = self.url + path
+        url, timeout = self._url(path), self._timeout(timeout_s)
+        body = None if payload is None else orjson.dumps(payload)
+        headers = None if payload is None else JSON_HEADERS
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
-            async with session.request(method, url, json=payload, timeout=timeout) as response:
+            async with session.request(method, url, data=body, headers=headers, timeout=timeout) as response:
                 raw = await response.read()
                 status = response.status
         except aiohttp.ConnectionTimeoutError as exc:
             raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise RetryableError(f"{method} {url} timed out after {timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
             raise RetryableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc

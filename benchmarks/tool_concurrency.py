@@ -1,0 +1,274 @@
+"""Tool-call concurrency: rallyrl against an exact bound and a batch-level baseline, one run.
+
+    python -m benchmarks.tool_concurrency [--workload W1|W2|W3|all] [--quick] [--json F] [--plot F]
+    rallyrl bench ...   (the same)
+
+For each workload the three systems see the same server model and the same sampled tool
+latencies: (a) rallyrl, ``RolloutRunner`` over ``sglang_http`` against the simulated server
+(``benchmarks/sim_server.py``, a separate process on the same cores); (b) the batch-level
+baseline, a real client against a fresh simulated server; (c) the bound, a discrete-event
+simulation of the same server with zero client cost (``benchmarks/bound.py``), for an
+asynchronous client and for a batch-level one.
+
+Reported: makespan, trajectories/s, efficiency (bound / measured), speedup over the
+batch-level baseline, p50 and p99 request latency, engine utilisation (busy slots over
+capacity x makespan), client CPU per turn (process CPU / turns, and the median over 0.25 s
+windows), peak RSS, and the simulated server's lateness (how late its steps started).
+A Markdown table, a JSON file and a PNG timeline (requests down, time across, colored by state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.bound import BoundResult, asynchronous_bound, batch_level_bound
+from benchmarks.clients import ClientRun, run_batch_level, run_rallyrl
+from benchmarks.sim_server import raise_fd_limit
+from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
+
+COLORS = {"running": "#3b76af", "tool": "#ef8636"}
+
+
+@contextlib.contextmanager
+def sim_server(scenario: Scenario) -> Iterator[tuple[str, Any]]:
+    """A fresh simulated server process; yields its URL and a function returning its stats."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+        f.write(orjson.dumps(scenario.server_config()))
+    command = [sys.executable, "-m", "benchmarks.sim_server", "--config", f.name]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith("ready "):
+            raise RuntimeError(f"the simulated server did not start: {line}{process.stderr.read()}")  # type: ignore[union-attr]
+        url = line.split()[1]
+
+        def stats() -> dict[str, Any]:
+            with urllib.request.urlopen(f"{url}/sim_stats", timeout=30) as response:
+                return orjson.loads(response.read())
+
+        yield url, stats
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        os.unlink(f.name)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def client_row(name: str, run: ClientRun, bound: BoundResult, baseline_s: float | None, server: dict, w: Workload):
+    return {
+        "system": name,
+        "makespan_s": run.makespan_s,
+        "trajectories_per_s": w.requests / run.makespan_s,
+        "efficiency": bound.makespan_s / run.makespan_s,
+        "speedup_over_batch": (baseline_s / run.makespan_s) if baseline_s else None,
+        "latency_p50_s": percentile(run.request_latency_s, 50),
+        "latency_p99_s": percentile(run.request_latency_s, 99),
+        "utilisation": server["busy_slot_s"] / (w.capacity * run.makespan_s),
+        "client_cpu_per_turn_us": run.cpu_s / max(run.turns, 1) * 1e6,
+        "client_cpu_per_turn_median_us": float(np.median(run.cpu_per_turn_windows_us))
+        if run.cpu_per_turn_windows_us
+        else None,
+        "client_cpu_s": run.cpu_s,
+        "turns": run.turns,
+        "peak_rss_mb": run.peak_rss_mb,
+        "server_lateness_p50_ms": server["lateness_p50_ms"],
+        "server_lateness_p99_ms": server["lateness_p99_ms"],
+        "server_lateness_max_ms": server["lateness_max_ms"],
+        "server_cpu_s": server["cpu_s"],
+        "first_request_after_s": (server["first_arrival"] or run.started) - run.started,
+        "done_after_last_answer_s": run.started + run.makespan_s - (server["last_answer"] or run.started),
+        "server_steps": server["steps"],
+        "finish_reasons": run.finish_reasons,
+    }
+
+
+def bound_row(name: str, bound: BoundResult, baseline_s: float | None, w: Workload) -> dict[str, Any]:
+    return {
+        "system": name,
+        "makespan_s": bound.makespan_s,
+        "trajectories_per_s": w.requests / bound.makespan_s,
+        "efficiency": 1.0,
+        "speedup_over_batch": (baseline_s / bound.makespan_s) if baseline_s else None,
+        "latency_p50_s": percentile(bound.request_latency_s, 50),
+        "latency_p99_s": percentile(bound.request_latency_s, 99),
+        "utilisation": bound.utilisation(w.capacity),
+        "server_steps": bound.steps,
+    }
+
+
+def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
+    """The bound, rallyrl and the batch-level baseline on one workload."""
+    scenario = Scenario.build(workload)
+    console.print(f"[bold]{workload.describe()}[/]", highlight=False)
+    bound = asynchronous_bound(scenario, keep_segments=True)
+    batch_bound = batch_level_bound(scenario)
+    runs: dict[str, tuple[ClientRun, dict]] = {}
+    for name, client in (("rallyrl", run_rallyrl), ("batch-level", run_batch_level)):
+        scenario = Scenario.build(workload)  # a fresh tool (its rate limit) for each client
+        with sim_server(scenario) as (url, stats):
+            started = time.monotonic()
+            run = asyncio.run(client(scenario, url))
+            runs[name] = (run, stats())
+        console.print(f"  {name}: {run.makespan_s:.2f} s ({time.monotonic() - started:.1f} s)", highlight=False)
+    baseline_s = runs["batch-level"][0].makespan_s
+    rows = [
+        bound_row("bound", bound, batch_bound.makespan_s, workload),
+        client_row("rallyrl", runs["rallyrl"][0], bound, baseline_s, runs["rallyrl"][1], workload),
+        bound_row("batch-level bound", batch_bound, None, workload),
+        client_row("batch-level", runs["batch-level"][0], batch_bound, None, runs["batch-level"][1], workload),
+    ]
+    return {
+        "workload": workload.to_dict(),
+        "description": workload.describe(),
+        "bound_speedup_over_batch": batch_bound.makespan_s / bound.makespan_s,
+        "rows": rows,
+        "timelines": {
+            "bound": bound.segments,
+            "rallyrl": runs["rallyrl"][0].segments,
+            "batch-level": runs["batch-level"][0].segments,
+        },
+    }
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """One table per workload."""
+    columns = [
+        ("system", "system", "{}"),
+        ("makespan_s", "makespan s", "{:.2f}"),
+        ("trajectories_per_s", "traj/s", "{:.1f}"),
+        ("efficiency", "efficiency", "{:.3f}"),
+        ("speedup_over_batch", "speedup vs batch", "{:.2f}x"),
+        ("latency_p50_s", "p50 s", "{:.2f}"),
+        ("latency_p99_s", "p99 s", "{:.2f}"),
+        ("utilisation", "utilisation", "{:.2f}"),
+        ("client_cpu_per_turn_us", "CPU/turn us", "{:.0f}"),
+        ("client_cpu_per_turn_median_us", "median CPU/turn us", "{:.0f}"),
+        ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+        ("server_lateness_p99_ms", "server late p99 ms", "{:.2f}"),
+        ("server_lateness_max_ms", "server late max ms", "{:.1f}"),
+    ]
+    out = []
+    for result in results:
+        out.append(f"### {result['description']}\n")
+        out.append("| " + " | ".join(title for _, title, _ in columns) + " |")
+        out.append("|" + " --- |" * len(columns))
+        for row in result["rows"]:
+            cells = []
+            for key, _, fmt in columns:
+                value = row.get(key)
+                cells.append("-" if value is None else fmt.format(value))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append(f"\nBound speedup over a perfect batch-level client: {result['bound_speedup_over_batch']:.2f}x\n")
+    return "\n".join(out)
+
+
+def rich_table(result: dict[str, Any]) -> Table:
+    table = Table(title=result["description"], title_justify="left")
+    keys = [
+        "makespan_s", "efficiency", "speedup_over_batch", "latency_p50_s", "latency_p99_s", "utilisation",
+        "client_cpu_per_turn_us", "client_cpu_per_turn_median_us", "peak_rss_mb", "server_lateness_p99_ms",
+    ]  # fmt: skip
+    table.add_column("system")
+    for key in keys:
+        table.add_column(key.replace("_", " "), justify="right")
+    for row in result["rows"]:
+        cells = []
+        for key in keys:
+            value = row.get(key)
+            cells.append("-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value))
+        table.add_row(row["system"], *cells)
+    return table
+
+
+def plot_timelines(results: list[dict[str, Any]], path: Path) -> None:
+    """Requests down, time across, one row of panels per workload: the bound, rallyrl and the
+    batch-level baseline, on one time axis; blue while generating (queued at the server
+    included), orange while its tool call runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+    from matplotlib.lines import Line2D
+
+    systems = ["bound", "rallyrl", "batch-level"]
+    fig, axes = plt.subplots(len(results), 3, figsize=(15, 3.6 * len(results)), squeeze=False)
+    for row, result in enumerate(results):
+        longest = max(seg[2] for name in systems for req in result["timelines"][name] for seg in req) or 1.0
+        for column, name in enumerate(systems):
+            axis = axes[row][column]
+            timeline = result["timelines"][name]
+            for state, color in COLORS.items():
+                lines = [[(s, i), (e, i)] for i, req in enumerate(timeline) for st, s, e in req if st == state]
+                width = max(0.2, min(2.0, 300 / max(len(timeline), 1)))
+                axis.add_collection(LineCollection(lines, colors=color, linewidths=width))
+            axis.set_xlim(0, longest * 1.02)
+            axis.set_ylim(len(timeline), 0)
+            makespan = next(r["makespan_s"] for r in result["rows"] if r["system"] == name)
+            axis.set_title(f"{result['workload']['name']} - {name}: {makespan:.2f} s", fontsize=10)
+            axis.set_xlabel("time (s)")
+            if column == 0:
+                axis.set_ylabel("request")
+    handles = [Line2D([], [], color=c, linewidth=4, label=s) for s, c in (("generating", COLORS["running"]),
+                                                                       ("tool call", COLORS["tool"]))]  # fmt: skip
+    fig.legend(handles=handles, loc="upper right")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def run_benchmark(
+    names: list[str], quick: bool, json_path: Path | None, plot_path: Path | None, console: Console
+) -> list[dict[str, Any]]:
+    raise_fd_limit()
+    catalog = QUICK if quick else WORKLOADS
+    results = [run_workload(catalog[name], console) for name in names]
+    for result in results:
+        console.print(rich_table(result))
+    console.print(markdown(results), highlight=False, markup=False)
+    if json_path is not None:
+        slim = [{k: v for k, v in r.items() if k != "timelines"} for r in results]
+        tmp = json_path.with_name(json_path.name + ".tmp")
+        tmp.write_bytes(orjson.dumps(slim, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        os.replace(tmp, json_path)
+    if plot_path is not None:
+        plot_timelines(results, plot_path)
+        console.print(f"timeline: {plot_path}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, under a minute in all")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    run_benchmark(names, args.quick, args.json, args.plot, Console())
+
+
+if __name__ == "__main__":
+    main()
