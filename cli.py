@@ -396,6 +396,24 @@ async def _serve(model_dir, host, port, max_batch_size, max_model_len, device, s
         await task
 
 
+@app.command()
+def bench(
+    workload: str = typer.Option("all", help="W1, W2, W3 or all (benchmarks/workloads.py)."),
+    quick: bool = typer.Option(False, "--quick", help="Smaller workloads: all three in under a minute."),
+    json_out: Path = typer.Option(None, "--json", help="Write the figures as JSON here."),
+    plot: Path = typer.Option(None, help="Write the request timelines as a PNG here."),
+) -> None:
+    """Tool-call concurrency: rallyrl vs an exact bound and a batch-level baseline, against a
+    simulated SGLang server (Markdown table, JSON, timeline PNG)."""
+    from benchmarks.tool_concurrency import run_benchmark, workloads_named
+    from benchmarks.workloads import WORKLOADS
+
+    if workload != "all" and workload not in WORKLOADS:
+        raise _fail(f"--workload must be one of {', '.join(WORKLOADS)} or all, got {workload!r}")
+    names = list(WORKLOADS) if workload == "all" else [workload]
+    run_benchmark(workloads_named(names, quick), json_out, plot, console)
+
+
 @app.command("new-model")
 def new_model(
     directory: Path = typer.Argument(..., help="Where to write the model and tokenizer."),

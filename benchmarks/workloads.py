@@ -77,7 +77,7 @@ WORKLOADS = {"W1": W1, "W2": W2, "W3": W3}
 
 QUICK = {
     "W1": dataclasses.replace(W1, requests=256, capacity=64, tokens_per_turn=48),
-    "W2": dataclasses.replace(W2, requests=256, capacity=64, tokens_per_turn=48),
+    "W2": dataclasses.replace(W2, requests=128, capacity=64, tokens_per_turn=48),
     "W3": dataclasses.replace(W3, requests=1024, tokens_per_turn=48),
 }
 """Smaller versions that run all three workloads and all three systems in under a minute."""

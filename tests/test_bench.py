@@ -1,0 +1,120 @@
+"""The concurrency benchmark: the bound on cases worked out by hand, the latency tools, the
+simulated server's answers, and a tiny end-to-end run whose report must be well formed (the
+figures themselves are the benchmark's business, not the suite's)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import orjson
+import pytest
+from rich.console import Console
+
+from benchmarks.bound import asynchronous_bound, batch_level_bound
+from benchmarks.sim_tools import Fixed, LogNormal, SimTool, Uniform
+from benchmarks.tool_concurrency import run_benchmark, sim_server
+from benchmarks.workloads import W1, W3, Scenario, Workload
+from rollout.engines.base import SamplingParams
+from rollout.engines.sglang_http import SGLangHTTPEngine
+from tests.conftest import run_cli
+
+STEP = 0.01
+
+
+def scenario(latencies: list[list[float]], turns: int, capacity: int, tokens: int = 48) -> Scenario:
+    workload = Workload("T", requests=len(latencies), turns=turns, capacity=capacity, tokens_per_turn=tokens,
+                        decode_step_s=STEP, prefill_s_per_token=0.0, tool_latency=Fixed(0.0))  # fmt: skip
+    built = Scenario.build(workload)
+    built.latencies = np.array(latencies, dtype=float).reshape(len(latencies), turns - 1)
+    return built
+
+
+def test_bound_of_one_request_is_its_turns_plus_its_tool_call():
+    result = asynchronous_bound(scenario([[0.5]], turns=2, capacity=4))
+    assert result.makespan_s == pytest.approx(48 * STEP + 0.5 + 48 * STEP)
+
+
+def test_bound_queues_requests_beyond_capacity():
+    result = asynchronous_bound(scenario([[], [], []], turns=1, capacity=2))
+    assert result.makespan_s == pytest.approx(2 * 48 * STEP)  # the third waits for a slot
+    assert sorted(result.request_latency_s) == pytest.approx([48 * STEP, 48 * STEP, 96 * STEP])
+
+
+def test_batch_level_bound_waits_for_the_slowest_tool_call():
+    built = scenario([[0.1], [0.9]], turns=2, capacity=2)
+    assert batch_level_bound(built).makespan_s == pytest.approx(48 * STEP + 0.9 + 48 * STEP)
+    # asynchronously the fast request finishes early, but the makespan is the slow one's
+    assert asynchronous_bound(built).request_latency_s[0] == pytest.approx(48 * STEP + 0.1 + 48 * STEP)
+
+
+def test_a_rate_limited_tool_serialises_the_calls_in_the_bound():
+    built = scenario([[0.5], [0.5]], turns=2, capacity=2)
+    built.workload = dataclasses.replace(built.workload, tool_max_concurrent=1)
+    assert asynchronous_bound(built).makespan_s == pytest.approx(48 * STEP + 1.0 + 48 * STEP)
+
+
+def test_latency_models_sample_their_distributions():
+    rng = np.random.default_rng(0)
+    assert (Fixed(0.3).sample(rng, (4,)) == 0.3).all()
+    uniform = Uniform(0.1, 0.2).sample(rng, (1000,))
+    assert uniform.min() >= 0.1 and uniform.max() <= 0.2
+    lognormal = LogNormal(0.2, 1.0).sample(rng, (20000,))
+    assert np.median(lognormal) == pytest.approx(0.2, rel=0.05)
+    assert np.percentile(lognormal, 99) > 5 * np.median(lognormal)  # the heavy tail
+
+
+async def test_a_rate_limited_tool_runs_at_most_m_calls_at_once():
+    tool = SimTool({"max_concurrent": 3})
+    instances = [await tool.create(None, latencies=[0.05]) for _ in range(10)]
+    await asyncio.gather(*(tool.execute(i, {}) for i in instances))
+    assert tool.peak_running == 3
+
+
+async def test_the_simulated_server_answers_a_tool_call_then_the_final_answer():
+    built = Scenario.build(dataclasses.replace(W1, requests=1, turns=2, decode_step_s=0.001))
+    chat = built.chat
+    sampling = SamplingParams(max_new_tokens=64, stop_token_ids=chat.stop_token_ids)
+    prompt = chat.prompt_ids(built.records()[0].prompt)
+    with sim_server(built) as (url, stats):
+        async with SGLangHTTPEngine(url) as engine:
+            first = await engine.generate(prompt, sampling, "conv")
+            follow = prompt + first.output_ids + chat.assistant_close_ids(first.output_ids)
+            follow += chat.delta_ids([{"role": "tool", "content": "done"}])
+            second = await engine.generate(follow, sampling, "conv")
+        served = stats()
+    assert first.output_ids == built.tool_turn_ids and first.finish_reason == "stop"
+    assert "<tool_call>" in chat.assistant_text(first.output_ids)
+    assert second.output_ids == built.final_ids
+    assert served["requests"] == 2 and served["steps"] >= 2 * W1.tokens_per_turn
+
+
+def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
+    fast_tool = LogNormal(0.02, 1.0)
+    tiny = [
+        dataclasses.replace(W1, requests=24, capacity=8, tokens_per_turn=40, tool_latency=fast_tool),
+        dataclasses.replace(W3, requests=48, capacity=16, tokens_per_turn=40),
+    ]
+    json_path, plot_path = tmp_path / "bench.json", tmp_path / "timeline.png"
+    results = run_benchmark(tiny, json_path, plot_path, Console(quiet=True))
+    report = orjson.loads(json_path.read_bytes())
+    assert [r["workload"]["name"] for r in report] == ["W1", "W3"]
+    for result in report:
+        systems = [row["system"] for row in result["rows"]]
+        assert systems == ["bound", "rallyrl", "batch-level bound", "batch-level"]
+        rallyrl = result["rows"][1]
+        for key in ("makespan_s", "efficiency", "speedup_over_batch", "latency_p50_s", "latency_p99_s",
+                    "utilisation", "client_cpu_per_turn_us", "peak_rss_mb", "server_lateness_p99_ms"):  # fmt: skip
+            assert isinstance(rallyrl[key], float) and rallyrl[key] >= 0, key
+        assert 0 < rallyrl["efficiency"] <= 1.05
+        assert rallyrl["turns"] == result["workload"]["requests"] * result["workload"]["turns"]
+        assert rallyrl["finish_reasons"] == {"stop": result["workload"]["requests"]}
+    assert plot_path.stat().st_size > 10_000
+    assert len(results[0]["timelines"]["rallyrl"]) == 24
+
+
+def test_bench_rejects_an_unknown_workload():
+    made = run_cli("bench", "--workload", "W9")
+    assert made.returncode == 2
+    assert "W1, W2, W3" in made.stderr
