@@ -30,7 +30,8 @@ class BoundResult:
     """Sum over steps of running sequences x step time (for utilisation)."""
     steps: int = 0
     segments: list[list[tuple[str, float, float]]] = field(default_factory=list)
-    """Per request: (state, start, end) of each generation ("running") and tool call ("tool")."""
+    """Per request: (state, start, end) of each generation ("running", queued at the server
+    included) and tool call ("tool", waiting for a slot of a rate-limited tool included)."""
 
     def utilisation(self, capacity: int) -> float:
         return self.busy_slot_s / (capacity * self.makespan_s) if self.makespan_s > 0 else 0.0
@@ -117,9 +118,9 @@ def asynchronous_bound(scenario: Scenario, keep_segments: bool = False) -> Bound
                 done[request] = end
                 remaining -= 1
                 continue
-            tool_start, tool_end = tools.run(end, float(latencies[request, turn]))
-            if keep_segments:
-                segments[request].append(("tool", tool_start, tool_end))
+            _, tool_end = tools.run(end, float(latencies[request, turn]))
+            if keep_segments:  # from the call, waiting for a slot of a rate-limited tool included
+                segments[request].append(("tool", end, tool_end))
             started[request, turn + 1] = tool_end
             server.arrive(tool_end, request, turn + 1)
     makespan = float(done.max()) if w.requests else 0.0
@@ -151,10 +152,10 @@ def batch_level_bound(scenario: Scenario, keep_segments: bool = False) -> BoundR
         tools = _ToolSlots(w.tool_max_concurrent)
         tool_ends = []
         for request in range(w.requests):
-            tool_start, tool_end = tools.run(generated, float(latencies[request, turn]))
+            _, tool_end = tools.run(generated, float(latencies[request, turn]))
             tool_ends.append(tool_end)
             if keep_segments:
-                segments[request].append(("tool", tool_start, tool_end))
+                segments[request].append(("tool", generated, tool_end))
         round_start = max(tool_ends)
         server.t = max(server.t, round_start)
     return BoundResult(0.0, [], server.busy_slot_s, server.step, segments)
