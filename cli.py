@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import orjson
@@ -65,15 +66,18 @@ def rollout(
         None, help="SGLang (or `rallyrl serve`) server URL; repeat for a pool. --model then names the tokenizer."
     ),
     engine: str = typer.Option("local", help='"local" (embedded) or "sglang" (in-process SGLang, CUDA).'),
+    resume: bool = typer.Option(False, help="Keep the trajectories already in --out; run only the missing ones."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Roll out prompts with tool calls through the embedded engine, SGLang servers or in-process
-    SGLang, and write trajectories to JSONL as they finish."""
+    SGLang, and write trajectories to JSONL as they finish. Ctrl-C keeps every finished one;
+    the same command with --resume runs the rest."""
     from data.schema import RecordError
     from rollout.engines.base import EngineError
     from rollout.tokens import TemplateError
     from tools.registry import ToolConfigError
 
+    stack = contextlib.ExitStack()
     try:
         if task is not None and data is not None:
             raise UserError("give --task or --data, not both")
@@ -90,6 +94,8 @@ def rollout(
             temperature=temperature,
             top_p=top_p,
         )
+        stack.enter_context(_output_lock(out))  # held until the command ends
+        done = _already_done(out, len(records), samples) if resume else set()
         result = asyncio.run(
             _rollout(
                 model_dir,
@@ -104,14 +110,70 @@ def rollout(
                 seed=seed,
                 device=device,
                 progress=progress,
+                skip=done,
             )
         )
     except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
         raise _fail(str(exc)) from None
     except ValueError as exc:  # a setting out of range (RolloutConfig, SamplingParams)
         raise _fail(f"bad option: {exc}") from None
+    except KeyboardInterrupt:
+        total = len(records) * samples
+        finished = _count_lines(out)
+        console.print(
+            f"interrupted: {finished} of {total} trajectories finished and are in {out}; "
+            f"{total - finished} were cut. The same command with --resume runs those.",
+            highlight=False,
+        )
+        raise typer.Exit(code=130) from None
+    finally:
+        stack.close()
     console.print(result.summary.table())
-    console.print(f"wrote {len(result.requests)} trajectories to {out}")
+    if resume:
+        console.print(f"resumed: {len(done)} trajectories were already in {out}; added {len(result.requests)}")
+    else:
+        console.print(f"wrote {len(result.requests)} trajectories to {out}")
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path):
+    """One rollout at a time writes ``out``: a second one (say, a --resume while the first still
+    runs) would interleave their lines."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another rallyrl rollout is writing {out}; wait for it or choose another --out") from None
+        try:
+            yield
+        finally:
+            Path(handle.name).unlink(missing_ok=True)
+
+
+def _already_done(out: Path, prompts: int, samples: int) -> set[tuple[int, int]]:
+    """(prompt, sample) pairs finished by an earlier run of the same command (--resume)."""
+    from rollout.runner import read_finished
+
+    if not out.exists():
+        return set()
+    done = read_finished(out)
+    outside = sorted((p, s) for p, s in done if p >= prompts or s >= samples)
+    if outside:
+        raise UserError(
+            f"--resume: {out} holds trajectories for (prompt, sample) {outside[0]} outside this run's "
+            f"{prompts} prompts x {samples} samples; resume with the options of the run that wrote it"
+        )
+    return done
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
 
 
 async def _rollout(
@@ -128,6 +190,7 @@ async def _rollout(
     seed: int,
     device: str,
     progress: bool,
+    skip: set[tuple[int, int]],
 ):
     """Engine + chat tokenizer + tools + runner, wired for one rollout."""
     from rollout.runner import RolloutRunner
@@ -143,7 +206,7 @@ async def _rollout(
         runner = RolloutRunner(
             engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress, console=console
         )
-        return await runner.run(records, samples, out_path)
+        return await runner.run(records, samples, out_path, skip=skip, append=bool(skip))
 
 
 def _open_engine(model_dir: Path, engine_urls: list[str], kind: str, max_batch_size: int, max_model_len: int,
@@ -352,8 +415,18 @@ def serve(
     served_model_name: str = typer.Option(None, help="Model name in the OpenAI API."),
     tool_parser: str = typer.Option("qwen25", help="Tool-call parser of /v1/chat/completions."),
     api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
+    fault_error_rate: float = typer.Option(0.0, help="Testing: share of /generate calls answered HTTP 500."),
+    fault_hang_rate: float = typer.Option(
+        0.0, help="Testing: share of /generate calls held open unanswered (until the client gives up)."
+    ),
+    fault_drop_rate: float = typer.Option(
+        0.0, help="Testing: share of /generate calls whose connection is reset mid-response."
+    ),
+    fault_seed: int = typer.Option(0, help="Seed of the fault draws (the same calls fail in every run)."),
 ) -> None:
-    """Serve a model with the embedded engine behind SGLang's HTTP API (and OpenAI's)."""
+    """Serve a model with the embedded engine behind SGLang's HTTP API (and OpenAI's).
+    The --fault-* options make a share of /generate calls fail, to test clients (GET /fault_stats counts them)."""
+    from rollout.faults import FaultConfig
     from rollout.parsers import get_parser
 
     try:
@@ -361,9 +434,21 @@ def serve(
         get_parser(tool_parser)
         if not 0 <= port < 65536:
             raise UserError(f"--port must be in 0..65535, got {port}")
+        rates = {"--fault-error-rate": fault_error_rate, "--fault-hang-rate": fault_hang_rate,
+                 "--fault-drop-rate": fault_drop_rate}  # fmt: skip
+        for flag, rate in rates.items():
+            if not 0 <= rate <= 1:
+                raise UserError(f"{flag} must be a share of /generate calls in [0, 1], got {rate:g}")
+        if sum(rates.values()) > 1 + 1e-9:
+            raise UserError(f"--fault-error-rate + --fault-hang-rate + --fault-drop-rate must be <= 1 (each call "
+                            f"meets at most one fault), got {sum(rates.values()):g}")  # fmt: skip
+        faults = None
+        if any(rates.values()):
+            faults = FaultConfig(error_rate=fault_error_rate, hang_rate=fault_hang_rate, drop_rate=fault_drop_rate,
+                                 seed=fault_seed)  # fmt: skip
         asyncio.run(
             _serve(model_dir, host, port, max_batch_size, max_model_len, device, seed, served_model_name,
-                   tool_parser, api_key)
+                   tool_parser, api_key, faults)
         )  # fmt: skip
     except (UserError, ValueError) as exc:
         raise _fail(str(exc)) from None
@@ -374,14 +459,14 @@ def serve(
 
 
 async def _serve(model_dir, host, port, max_batch_size, max_model_len, device, seed, served_model_name,
-                 tool_parser, api_key) -> None:  # fmt: skip
+                 tool_parser, api_key, faults=None) -> None:  # fmt: skip
     from rollout.engines.local import LocalEngine, LocalEngineConfig
     from rollout.server import ServeConfig, serve
     from rollout.tokens import load_tokenizer
 
     config = ServeConfig(
         model_path=str(model_dir.resolve()), host=host, port=port, served_model_name=served_model_name,
-        tool_parser=tool_parser, api_key=api_key, max_batch_size=max_batch_size,
+        tool_parser=tool_parser, api_key=api_key, max_batch_size=max_batch_size, faults=faults,
     )  # fmt: skip
     engine_config = LocalEngineConfig(
         max_batch_size=max_batch_size, max_model_len=max_model_len, device=device, seed=seed
@@ -393,6 +478,9 @@ async def _serve(model_dir, host, port, max_batch_size, max_model_len, device, s
         if task.done():
             task.result()  # raises the bind error
         console.print(f"serving {model_dir} on http://{host}:{config.port}", highlight=False)
+        if faults is not None:
+            console.print(f"injecting faults into /generate: {faults.error_rate:.1%} errors, {faults.hang_rate:.1%} "
+                          f"hangs, {faults.drop_rate:.1%} drops (seed {faults.seed})", highlight=False)  # fmt: skip
         await task
 
 

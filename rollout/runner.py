@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -126,26 +127,31 @@ class RolloutRunner:
         n: int = 1,
         out_path: str | Path | None = None,
         prompt_indices: list[int] | None = None,
+        skip: Collection[tuple[int, int]] = (),
+        append: bool = False,
     ) -> RolloutResult:
         """Roll out every record ``n`` times; stream finished trajectories to ``out_path`` (JSONL).
         ``prompt_indices`` numbers the records (default 0, 1, ...), e.g. by their place in a
-        batch split over processes."""
+        batch split over processes. ``skip`` holds (prompt_index, sample_index) pairs already
+        done (a resumed run, see ``read_finished``); ``append`` adds to ``out_path``."""
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         indices = list(range(len(records))) if prompt_indices is None else prompt_indices
         if len(indices) != len(records):
             raise ValueError(f"{len(indices)} prompt indices for {len(records)} records")
         run_id = uuid.uuid4().hex[:8]
-        total = len(records) * n
+        skip = set(skip)
+        total = sum((p, s) not in skip for p in indices for s in range(n))
         requests = (  # built as they are started, so the first ones leave at once
             request_from_record(record, prompt_index, sample_index, f"{run_id}-{prompt_index}-{sample_index}")
             for prompt_index, record in zip(indices, records, strict=True)
             for sample_index in range(n)
+            if (prompt_index, sample_index) not in skip
         )
         semaphore = asyncio.Semaphore(self.max_concurrency)
         live = _LiveCounts()
         started = time.monotonic()
-        out = _open_output(out_path)
+        out = _open_output(out_path, append)
         progress = self._progress_bar(total)
 
         async def one(request: AsyncRolloutRequest) -> AsyncRolloutRequest:
@@ -251,12 +257,38 @@ def old_objects_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _open_output(path: str | Path | None) -> IO[bytes] | None:
+def _open_output(path: str | Path | None, append: bool = False) -> IO[bytes] | None:
     if path is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("wb")
+    return path.open("ab" if append else "wb")
+
+
+def read_finished(path: str | Path) -> set[tuple[int, int]]:
+    """The (prompt_index, sample_index) pairs of the trajectories in a rollout JSONL, to resume it.
+
+    Each trajectory is one line written whole, so only a kill in the middle of a write leaves a
+    broken line, and it is the last one, without its newline: it is dropped from the file
+    (rewritten atomically). A broken line anywhere else is an error naming it.
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    finished: set[tuple[int, int]] = set()
+    for number, line in enumerate(complete.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = orjson.loads(line)
+            finished.add((int(record["prompt_index"]), int(record["sample_index"])))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path} line {number}: not a trajectory, so the run cannot resume from it") from None
+    if len(complete) < len(raw):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(complete)
+        os.replace(tmp, path)
+    return finished
 
 
 def request_from_record(record: Record, prompt_index: int, sample_index: int, request_id: str) -> AsyncRolloutRequest:

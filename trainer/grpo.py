@@ -527,7 +527,7 @@ class GRPOTrainer:
         history = []
         metrics_file = self.out / "metrics.jsonl"
         if metrics_file.exists():
-            history = [orjson.loads(line) for line in metrics_file.read_bytes().splitlines() if line.strip()]
+            history = _read_metrics(metrics_file)
             history = [m for m in history if m["step"] <= self.state.step]
             if self.is_main:  # drop lines of steps after the checkpoint (they will be run again)
                 data = b"".join(orjson.dumps(m) + b"\n" for m in history)
@@ -551,6 +551,13 @@ class GRPOTrainer:
         os.replace(partial, final)
         if history:
             plot_curves(history, self.out / "curves.png")
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl``; a last line cut short by a kill is left out."""
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    return [orjson.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
