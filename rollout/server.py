@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import finish_reason_payload, parse_weight_version, sampling_from_payload
+from rollout.faults import FaultConfig, install_faults
 from rollout.parsers import get_parser
 from rollout.tokens import ChatTokenizer, TemplateError
 
@@ -58,6 +59,8 @@ class ServeConfig:
     """Require ``Authorization: Bearer <key>`` on every request."""
     max_batch_size: int = 256
     """Reported in /get_server_info (the engine's own setting)."""
+    faults: FaultConfig | None = None
+    """Faults to inject into /generate, for testing clients (rollout/faults.py); None: none."""
 
 
 class BadRequest(ValueError):
@@ -108,6 +111,8 @@ class EngineServer:
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
+        if self.config.faults is not None:
+            install_faults(app, self.config.faults)
         return app
 
     @web.middleware
