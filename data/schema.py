@@ -40,6 +40,9 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 NATIVE_KEYS = frozenset({"prompt", "data_source", "ground_truth", "tools_kwargs", "extra"})
 VERL_KEYS = frozenset({"reward_model", "extra_info"})
 _KNOWN_KEYS = NATIVE_KEYS | VERL_KEYS
+MAX_NESTING = 100
+"""Deepest nesting of lists and mappings in a record; deeper ones are refused (Python's
+recursion limit, and orjson's 255 levels when records or rollouts are written, sit above it)."""
 
 Layout = Literal["native", "verl"]
 
@@ -421,16 +424,21 @@ def _mapping(value: Any, where: str, what: str = "a mapping") -> dict[str, Any]:
     return value
 
 
-def _plain(value: Any) -> Any:
-    """Plain Python containers and scalars (pandas gives numpy arrays for parquet list columns)."""
+def _plain(value: Any, where: str | None = None, depth: int = 0) -> Any:
+    """Plain Python containers and scalars (pandas gives numpy arrays for parquet list columns).
+
+    ``where`` is the top-level field being converted, named when it nests too deeply.
+    """
+    if depth > MAX_NESTING:
+        raise _Invalid(where, f"nested more than {MAX_NESTING} levels deep")
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: _plain(item, key if where is None else where, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
+        return [_plain(item, where, depth + 1) for item in value]
     if value is None or isinstance(value, str | bytes | bool | int | float):
         return value
     if hasattr(value, "tolist"):  # numpy arrays and scalars
-        return _plain(value.tolist())
+        return _plain(value.tolist(), where, depth)
     return value
 
 

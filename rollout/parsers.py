@@ -59,11 +59,29 @@ def get_parser(name: str) -> Parser:
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _MAX_ERROR_SNIPPET = 120
+MAX_ARGUMENT_DEPTH = 100
+"""Deepest nesting of lists and objects accepted in a call's arguments; deeper ones cannot be
+written to the rollout JSONL (orjson stops at 255 levels) or checked against a schema."""
 
 
 def _snippet(text: str) -> str:
     text = text.strip()
-    return text if len(text) <= _MAX_ERROR_SNIPPET else text[:_MAX_ERROR_SNIPPET] + "..."
+    text = text if len(text) <= _MAX_ERROR_SNIPPET else text[:_MAX_ERROR_SNIPPET] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates: an error must serialise
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` levels (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def parse_call_json(body: str) -> ToolCall:
@@ -85,6 +103,8 @@ def parse_call_json(body: str) -> ToolCall:
             arguments = None
     if not isinstance(arguments, dict):
         return ToolCall(name, None, f"the arguments of tool call {name!r} must be a JSON object: {_snippet(body)}")
+    if _deeper_than(arguments, MAX_ARGUMENT_DEPTH):
+        return ToolCall(name, None, f"the arguments of tool call {name!r} nest deeper than {MAX_ARGUMENT_DEPTH} levels")
     return ToolCall(name, arguments)
 
 

@@ -57,6 +57,10 @@ def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[
             cls = import_class(class_name)
         except ImportError as exc:
             raise ToolConfigError(f"{where}.class_name: cannot import {class_name!r}: {exc}") from None
+        except Exception as exc:  # the module itself fails: a syntax error, an error at import, a relative path
+            raise ToolConfigError(
+                f"{where}.class_name: cannot import {class_name!r}: {type(exc).__name__}: {exc}"
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
             raise ToolConfigError(f"{where}.class_name: {class_name!r} is not a subclass of tools.base.BaseTool")
         config = entry.get("config") or {}
@@ -65,6 +69,8 @@ def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[
             raise ToolConfigError(f"{where}.config: expected a mapping, got {type(config).__name__}")
         if schema is not None and not (isinstance(schema, dict) and isinstance(schema.get("function"), dict)):
             raise ToolConfigError(f"{where}.schema: expected an OpenAI function schema {{'type': 'function', ...}}")
+        if schema is not None and not (isinstance(schema["function"].get("name"), str) and schema["function"]["name"]):
+            raise ToolConfigError(f"{where}.schema.function.name: expected the tool's name, a non-empty string")
         try:
             tool = cls(config=config, schema=schema)
             tool.check_arguments({})  # compiles the parameters schema: a bad one fails here
@@ -86,7 +92,18 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
     try:
         data = orjson.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
     except (orjson.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ToolConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise ToolConfigError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {_one_line(exc)}"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
         raise ToolConfigError(f"{path}: expected a top-level 'tools:' list")
     return build_tools(data["tools"], str(path))
+
+
+def _one_line(exc: Exception) -> str:
+    """A parse error on one line: PyYAML's messages span several, with a caret drawing."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.MarkedYAMLError) and mark is not None:
+        context = f" {exc.context}" if exc.context else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}{context}"
+    return " ".join(str(exc).split())
