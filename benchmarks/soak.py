@@ -97,10 +97,10 @@ async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: P
     config = RolloutConfig(max_turns=3, max_new_tokens=96, max_model_len=1024, tool_timeout_s=1.0)
     prompts = requests // 4
     records = make_task("calc", prompts, seed=7)
-    client = SGLangHTTPConfig(timeout_s=3.0, max_retries=3, backoff_s=0.05, backoff_max_s=0.5)
+    client = SGLangHTTPConfig(timeout_s=15.0, max_retries=3, backoff_s=0.05, backoff_max_s=0.5)
     pool_config = PoolConfig(health_interval_s=0.5, client=client)
     async with EnginePool([s.url for s in servers], pool_config) as pool:
-        runner = RolloutRunner(pool, chat, {tool.name: tool}, config, max_concurrency=256, progress=True,
+        runner = RolloutRunner(pool, chat, {tool.name: tool}, config, max_concurrency=128, progress=True,
                                console=console)  # fmt: skip
         rollout = asyncio.create_task(runner.run(records, 4, out))
         victim, killed, restarted = servers[0], False, False

@@ -10,9 +10,12 @@ it with ``abort``. Either way every created tool instance is released exactly on
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import orjson
 
 from data.rewards import score_answer
 from rollout.engines.base import Engine, SamplingParams
@@ -87,7 +90,11 @@ async def run_request(
         # PENDING: one instance of every tool for this request
         for name, tool in tools.items():
             create_kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
-            instance_id = await tool.create(None, **create_kwargs)
+            try:
+                async with asyncio.timeout(config.tool_reward_timeout_s):
+                    instance_id = await tool.create(None, **create_kwargs)
+            except Exception as exc:
+                raise ToolCreateError(f"create of tool {name} failed: {_describe(exc)}") from exc
             created.append((tool, instance_id))
             request.tool_instance_ids[name] = instance_id
         request.prompt_ids = chat.prompt_ids(request.messages)
@@ -97,15 +104,29 @@ async def run_request(
         cancelled = True
         request.finish(FinishReason.ABORT, "cancelled")
         raise
-    except Exception as exc:  # engine failure, failing create, template error: this request only
+    except ToolCreateError as exc:
+        request.finish(FinishReason.ERROR, str(exc))
+    except Exception as exc:  # engine failure, template error: this request only
         request.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
     finally:
         if request.state is not RequestState.COMPLETED:
             request.transition(RequestState.COMPLETED)
-        if not cancelled:
-            await _score(request, created, chat, config, reward_fn)
-        await _release(request, created, config)
+        try:
+            if not cancelled:
+                await _score(request, created, chat, config, reward_fn)
+        finally:  # even when cancelled while scoring
+            await _release(request, created, config)
     return request
+
+
+class ToolCreateError(RuntimeError):
+    """A tool's create failed or timed out: the request ends with this error."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _converse(
@@ -200,18 +221,35 @@ async def _call_tool(
                 response = await tool.execute(instance_id, call.arguments or {}, **execute_kwargs)
             if not isinstance(response, ToolResponse):
                 raise TypeError(f"execute returned {type(response).__name__}, not ToolResponse")
-            record.text, record.reward, record.metrics = str(response.text), float(response.reward), response.metrics
+            record.text, record.reward = str(response.text), float(response.reward)
+            if not math.isfinite(record.reward):
+                raise ValueError(f"step reward {record.reward} is not a finite number")
+            record.metrics = orjson.loads(orjson.dumps(response.metrics, default=repr))  # JSON-safe, whatever it held
         except TimeoutError:
             error = f"tool {call.name} timed out after {config.tool_timeout_s:g} s"
         except ToolError as exc:
             error = str(exc)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # this request is being cancelled
+                raise
+            error = f"tool {call.name} failed: it raised CancelledError"  # the tool's own, not ours
         except Exception as exc:
             error = f"tool {call.name} failed: {type(exc).__name__}: {exc}"
     if error is not None:
+        error = valid_text(truncate_middle(error, config.max_tool_response_chars))
         record.error, record.text = error, f"Error: {error}"
-    record.text = truncate_middle(record.text, config.max_tool_response_chars)
+    record.text = valid_text(truncate_middle(record.text, config.max_tool_response_chars))
     record.latency_s = time.monotonic() - started
     return record
+
+
+def valid_text(text: str) -> str:
+    """``text`` with lone surrogates (which no tokenizer or JSON encoder takes) replaced."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
@@ -241,8 +279,10 @@ async def _score(
         kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
         try:
             async with asyncio.timeout(config.tool_reward_timeout_s):
-                reward = await tool.calc_reward(instance_id, **kwargs)
-            request.rewards.tools[tool.name] = float(reward)
+                reward = float(await tool.calc_reward(instance_id, **kwargs))
+            if not math.isfinite(reward):
+                raise ValueError(f"returned {reward}, not a finite number")
+            request.rewards.tools[tool.name] = reward
         except Exception as exc:
             request.rewards.tools[tool.name] = 0.0
             request.metrics.tool_errors += 1
@@ -251,21 +291,37 @@ async def _score(
         answer = next((m["content"] for m in reversed(request.messages) if m["role"] == "assistant"), "")
         # math-verify's symbolic fallback can take a while: keep it off the event loop
         request.rewards.answer = await asyncio.to_thread(score_answer, answer, request.ground_truth)
-    request.rewards.final = float(reward_fn(request))
+    try:
+        final = float(reward_fn(request))
+        if not math.isfinite(final):
+            raise ValueError(f"gave {final}, not a finite number")
+        request.rewards.final = final
+    except Exception as exc:
+        request.rewards.final = 0.0
+        _note_error(request, f"the reward function failed: {type(exc).__name__}: {exc}")
     if config.check_consistency and request.prompt_ids:
-        report = chat.check_consistency(request.messages, request.all_ids)
-        request.consistency_diff = None if report.ok else report.diff
+        try:
+            report = chat.check_consistency(request.messages, request.all_ids)
+            request.consistency_diff = None if report.ok else report.diff
+        except Exception as exc:  # a message the template or tokenizer cannot take
+            request.consistency_diff = f"the consistency check failed: {type(exc).__name__}: {exc}"
 
 
 async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]], config: RolloutConfig) -> None:
-    """Release every created instance once, even if one release fails."""
+    """Release every created instance once, even if one release fails or the request is cancelled
+    in the middle (the cancellation is passed on once all are released)."""
+    cancelled: asyncio.CancelledError | None = None
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
         try:
             async with asyncio.timeout(config.tool_reward_timeout_s):
                 await tool.release(instance_id, **kwargs)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
         except Exception as exc:
-            _note_error(request, f"release of {tool.name} failed: {type(exc).__name__}: {exc}")
+            _note_error(request, f"release of {tool.name} failed: {_describe(exc)}")
+    if cancelled is not None:
+        raise cancelled
 
 
 def _note_error(request: AsyncRolloutRequest, message: str) -> None:
