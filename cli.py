@@ -361,9 +361,12 @@ def evaluate(
     max_turns: int = typer.Option(3, help="Most assistant turns per request."),
     max_new_tokens: int = typer.Option(96, help="Most tokens per assistant turn."),
     json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here."),
+    report_md: Path = typer.Option(
+        None, "--report", help="Write a Markdown report here (overall, per data_source, example failures)."
+    ),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
-    """Greedy accuracy and unbiased pass@k of a model on a task or dataset."""
+    """Greedy accuracy and unbiased pass@k of a model on a task or dataset, overall and per data_source."""
     from data.schema import RecordError
     from rollout.engines.base import EngineError
     from rollout.tokens import TemplateError
@@ -379,14 +382,25 @@ def evaluate(
         report = asyncio.run(_local_eval(model_dir, records, samples, tools, max_turns, max_new_tokens, progress))
     except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
         raise _fail(str(exc)) from None
+    from trainer.evaluation import breakdown_table, write_markdown_report
+
+    accuracy = "-" if report["accuracy"] is None else f"{report['accuracy']:.3f}"  # None: nothing graded
     console.print(
-        f"{model_dir}: greedy accuracy {report['accuracy']:.3f} on {report['prompts']} prompts; "
+        f"{model_dir}: greedy accuracy {accuracy} on {report['prompts']} prompts; "
         + ", ".join(f"pass@{k} {v:.3f}" for k, v in report["pass_at_k"].items())
     )
+    console.print(breakdown_table(report))
     if json_out is not None:
         tmp = json_out.with_name(json_out.name + ".tmp")
         tmp.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
         tmp.replace(json_out)
+    if report_md is not None:
+        prompts = data or f"task {task or 'calc'} (seed {seed})"
+        try:
+            write_markdown_report(report, report_md, {"model": model_dir, "prompts": prompts, "samples": samples})
+        except OSError as exc:
+            raise _fail(f"--report {report_md}: {exc.strerror or exc}") from None
+        console.print(f"wrote the report to {report_md}", highlight=False)
 
 
 async def _local_eval(model_dir, records, samples, tools_path, max_turns, max_new_tokens, progress):
@@ -544,6 +558,101 @@ def check(file: Path = typer.Argument(..., help="A rollout JSONL file.")) -> Non
         except (orjson.JSONDecodeError, ValueError) as exc:
             raise _fail(f"{file} line {number}: {exc}") from None
     console.print(f"{file}: {sum(1 for line in lines if line.strip())} valid trajectories")
+
+
+@app.command("export")
+def export_command(
+    file: Path = typer.Argument(..., help="A rollout JSONL file."),
+    out: Path = typer.Option(None, help="Parquet file to write (default: FILE with the suffix .parquet)."),
+    batch_size: int = typer.Option(1024, help="Trajectories converted (and held in memory) at a time."),
+) -> None:
+    """Rollout JSONL -> parquet, one row per trajectory (schema: rollout/export.py), streamed in
+    batches and written atomically: a bad line is an error naming it, and nothing is written."""
+    from rollout.export import ExportError, export_parquet
+
+    out = out or file.with_suffix(".parquet")
+    try:
+        count = export_parquet(file, out, batch_size=batch_size)
+    except (ExportError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:  # the output cannot be written
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
+    console.print(f"wrote {count} trajectories to {out}", highlight=False)
+
+
+@app.command("show")
+def show_command(
+    file: Path = typer.Argument(..., help="A rollout JSONL file or its parquet export."),
+    index: int = typer.Option(None, help="Which trajectory, 0-based in file order (default: the first)."),
+    model: Path = typer.Option(None, help="Model or tokenizer directory: decode the token spans to text."),
+) -> None:
+    """Pretty-print one trajectory: header, every turn with its tool calls, and the token view
+    (which spans of response_ids are trained on, loss_mask 1, and which are context)."""
+    from rich.console import Console
+
+    from rollout.show import ShowError, load_trajectory, render
+
+    try:
+        tokenizer = None
+        if model is not None:
+            from rollout.tokens import load_tokenizer
+
+            try:
+                tokenizer = load_tokenizer(model)
+            except (OSError, ValueError) as exc:
+                raise UserError(f"--model {model}: cannot load a tokenizer ({exc})") from None
+        located = load_trajectory(file, 0 if index is None else index)
+    except (UserError, ShowError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(render(located, file, tokenizer))
+
+
+data_app = typer.Typer(help="Prepare datasets: official GSM8K and MATH files -> rallyrl records.",
+                       no_args_is_help=True)  # fmt: skip
+app.add_typer(data_app, name="data")
+_DATA_INPUT_HELP = "Source file (.jsonl, .json or .parquet) or a directory of .json/.jsonl files."
+_DATA_OUTPUT_HELP = "Records file to write (.jsonl, .json or .parquet), atomically."
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    input_path: Path = typer.Option(..., "--input", "-i", help=_DATA_INPUT_HELP),
+    output: Path = typer.Option(..., "--output", "-o", help=_DATA_OUTPUT_HELP),
+    split: str = typer.Option(None, help="Split name for extra.split (default: from the path, else train)."),
+    limit: int = typer.Option(None, help="Convert only the first N rows."),
+    layout: str = typer.Option("native", help='"native" (rallyrl) or "verl" (reward_model, extra_info).'),
+) -> None:
+    """Official GSM8K (question, answer ending in '#### N') -> records with the answer_check tool's kwargs."""
+    from data.gsm8k import prepare_gsm8k
+    from data.schema import RecordError
+
+    try:
+        result = prepare_gsm8k(input_path, output, split=split, limit=limit, layout=layout)
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(result.summary(), highlight=False)
+
+
+@data_app.command("math")
+def data_math(
+    input_path: Path = typer.Option(..., "--input", "-i", help=_DATA_INPUT_HELP),
+    output: Path = typer.Option(..., "--output", "-o", help=_DATA_OUTPUT_HELP),
+    split: str = typer.Option(None, help="Split name for extra.split (default: from the path, else train)."),
+    limit: int = typer.Option(None, help="Convert only the first N rows."),
+    strict: bool = typer.Option(False, help="A row without a \\boxed{} answer is an error instead of skipped."),
+    data_source: str = typer.Option(None, help="data_source of all records (default: the row's, else hendrycks/math)."),
+    layout: str = typer.Option("native", help='"native" (rallyrl) or "verl" (reward_model, extra_info).'),
+) -> None:
+    """MATH (problem, solution with \\boxed{answer}) -> records; the last box is the ground truth."""
+    from data.math_data import prepare_math
+    from data.schema import RecordError
+
+    try:
+        result = prepare_math(input_path, output, split=split, limit=limit, strict=strict, data_source=data_source,
+                              layout=layout)  # fmt: skip
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(result.summary(), highlight=False)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ it with ``abort``. Either way every created tool instance is released exactly on
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -65,7 +66,9 @@ class RolloutConfig:
         get_parser(self.tool_parser)  # an unknown name fails here, not in every request
 
 
-RewardFn = Callable[[AsyncRolloutRequest], float]
+RewardFn = Callable[[AsyncRolloutRequest], float | Awaitable[float | None] | None]
+"""Final reward of a finished request; may be async (an LLM judge). None / NaN: missing, which only a
+failed judgment may give (``rewards.judge_error`` set); the trainer then leaves the request out."""
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
@@ -292,10 +295,16 @@ async def _score(
         # math-verify's symbolic fallback can take a while: keep it off the event loop
         request.rewards.answer = await asyncio.to_thread(score_answer, answer, request.ground_truth)
     try:
-        final = float(reward_fn(request))
-        if not math.isfinite(final):
-            raise ValueError(f"gave {final}, not a finite number")
-        request.rewards.final = final
+        result = reward_fn(request)
+        if inspect.isawaitable(result):
+            result = await result
+        final = math.nan if result is None else float(result)
+        if math.isnan(final) and request.rewards.judge_error is not None:
+            request.rewards.final = None  # missing, never 0: the judgment failed (see rollout/judge.py)
+        elif not math.isfinite(final):
+            raise ValueError(f"gave {result!r}, not a finite number")
+        else:
+            request.rewards.final = final
     except Exception as exc:
         request.rewards.final = 0.0
         _note_error(request, f"the reward function failed: {type(exc).__name__}: {exc}")

@@ -62,7 +62,9 @@ class Rewards:
     step: list[float] = field(default_factory=list)  # ToolResponse.reward, in call order
     tools: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward
     answer: float | None = None  # the final answer graded against ground_truth (None without one)
-    final: float = 0.0  # what the trainer optimises
+    final: float | None = 0.0  # what the trainer optimises; None: missing (a failed judgment), not trained on
+    judge: float | None = None  # the LLM judge's score in [0, 1] (None: not judged, or the judgment failed)
+    judge_error: str | None = None  # why the judgment failed (rollout/judge.py); the only reason final may be None
 
 
 @dataclass
@@ -136,7 +138,7 @@ class AsyncRolloutRequest:
         return self.prompt_ids + self.response_ids
 
     @property
-    def reward(self) -> float:
+    def reward(self) -> float | None:
         return self.rewards.final
 
     def to_record(self) -> dict[str, Any]:
@@ -205,5 +207,9 @@ def validate_trajectory(obj: Any) -> None:
             raise ValueError(f"messages[{i}]: expected an object with a string 'content'")
         if message.get("role") not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"messages[{i}].role: unknown role {message.get('role')!r}")
-    if not isinstance(obj["reward"], (int, float)):
+    if obj["reward"] is None:  # missing: allowed only where the judgment failed (rewards.judge_error)
+        rewards = obj.get("rewards")
+        if not isinstance(rewards, dict) or not isinstance(rewards.get("judge_error"), str):
+            raise ValueError("reward: null is allowed only for a failed judgment (rewards.judge_error); none is set")
+    elif not isinstance(obj["reward"], (int, float)):
         raise ValueError(f"reward: expected a number, got {obj['reward']!r}")

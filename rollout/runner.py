@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import time
 import uuid
@@ -39,7 +40,8 @@ class RolloutSummary:
     requests: int = 0
     prompts: int = 0
     samples_per_prompt: int = 1
-    mean_reward: float = 0.0
+    mean_reward: float = 0.0  # over the requests whose reward is not missing
+    rewards_missing: int = 0  # requests without a reward (a failed judgment)
     accuracy: float | None = None  # share of graded requests whose answer is right
     pass_at_n: float | None = None  # share of graded prompts with at least one right answer
     mean_turns: float = 0.0
@@ -73,11 +75,13 @@ def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_pr
     for r in graded:
         by_prompt[r.prompt_index] = by_prompt.get(r.prompt_index, False) or r.rewards.answer == 1.0
     tokens = sum(r.metrics.generated_tokens for r in requests)
+    rewards = [r.rewards.final for r in requests if r.rewards.final is not None and not math.isnan(r.rewards.final)]
     return RolloutSummary(
         requests=len(requests),
         prompts=len({r.prompt_index for r in requests}),
         samples_per_prompt=samples_per_prompt,
-        mean_reward=sum(r.rewards.final for r in requests) / count,
+        mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+        rewards_missing=len(requests) - len(rewards),
         accuracy=sum(r.rewards.answer == 1.0 for r in graded) / len(graded) if graded else None,
         pass_at_n=sum(by_prompt.values()) / len(by_prompt) if by_prompt else None,
         mean_turns=sum(r.metrics.turns for r in requests) / count,

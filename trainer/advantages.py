@@ -21,6 +21,10 @@ Every std here is the *population* std (``unbiased=False``): a group of two with
 
 Groups whose rewards are all equal carry no learning signal under group centring;
 ``filter_uniform_groups`` drops them and counts them.
+
+A missing reward (a failed LLM judgment) is NaN here: it is left out of its group's mean and
+std (and of the batch std) and its advantage comes back NaN; the trainer gives such a request no
+sample at all (``present_mask`` picks the others).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def group_normalize(values: Tensor, group_ids: Tensor, scale: Scale, eps: float 
     """Subtract each group's mean from ``values``, then scale (see the module docstring).
 
     ``group_ids`` are arbitrary integers (neither contiguous nor sorted). Stds are
-    population stds; a group of one sample gets advantage 0 under every scale.
+    population stds; a group of one sample gets advantage 0 under every scale. NaN values
+    (missing rewards) are left out of every mean and std and stay NaN.
     Returns a new tensor shaped like ``values`` (float), detached from any graph.
     """
     _check_scale(scale)
@@ -64,17 +69,25 @@ def group_normalize(values: Tensor, group_ids: Tensor, scale: Scale, eps: float 
         return values.clone()
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1
-    counts = values.new_zeros(num_groups).index_add_(0, inverse, torch.ones_like(values))
-    sums = values.new_zeros(num_groups).index_add_(0, inverse, values)
-    centred = values - (sums / counts)[inverse]
+    present = ~values.isnan()
+    filled = values.nan_to_num(0.0)
+    counts = values.new_zeros(num_groups).index_add_(0, inverse, present.to(values.dtype)).clamp_min(1.0)
+    sums = values.new_zeros(num_groups).index_add_(0, inverse, filled)
+    centred = values - (sums / counts)[inverse]  # NaN where missing
     if scale == "none":
         return centred
+    squares = centred.nan_to_num(0.0).square()
     if scale == "group":
-        sq_sums = values.new_zeros(num_groups).index_add_(0, inverse, centred.square())
+        sq_sums = values.new_zeros(num_groups).index_add_(0, inverse, squares)
         group_std = (sq_sums / counts).sqrt()
         return centred / (group_std[inverse] + eps)
-    batch_std = centred.square().mean().sqrt()
+    batch_std = (squares.sum() / present.sum().clamp_min(1)).sqrt()
     return centred / (batch_std + eps)
+
+
+def present_mask(rewards: list[float | None]) -> Tensor:
+    """True where a reward is present (not None, not NaN): the requests that get a training sample."""
+    return torch.tensor([r is not None and r == r for r in rewards], dtype=torch.bool)
 
 
 def trajectory_advantages(rewards: Tensor, group_ids: Tensor, scale: Scale) -> Tensor:

@@ -47,6 +47,7 @@ from trainer.advantages import (
     broadcast_advantages,
     filter_uniform_groups,
     per_step_advantages,
+    present_mask,
     trajectory_advantages,
 )
 from trainer.batch import Sample, TrainBatch, collate, micro_batches, step_rewards, step_samples, trajectory_sample
@@ -194,8 +195,12 @@ class GRPOTrainer:
         return metrics
 
     def build_samples(self, requests: list[AsyncRolloutRequest], wanted_groups: int) -> tuple[list[Sample], dict]:
-        """Rewards -> advantages -> training samples; uniform groups dropped when filtering."""
+        """Rewards -> advantages -> training samples; uniform groups dropped when filtering. Requests
+        whose reward is missing (a failed judgment) are left out of their group and get no sample."""
         config = self.config
+        present = present_mask([r.rewards.final for r in requests])
+        missing = len(requests) - int(present.sum())
+        requests = [r for r, p in zip(requests, present.tolist(), strict=True) if p]
         rewards = torch.tensor([r.rewards.final for r in requests], dtype=torch.float32)
         groups = torch.tensor([r.prompt_index for r in requests], dtype=torch.long)
         keep = torch.ones(len(requests), dtype=torch.bool)
@@ -203,6 +208,7 @@ class GRPOTrainer:
         if config.filter_groups and requests:
             keep, filtered = filter_uniform_groups(rewards, groups)
             stats = {"solve_all": filtered.solve_all, "solve_none": filtered.solve_none}
+        stats["rewards_missing"] = missing
         stats = self._sum_across_processes(stats)
         kept_groups = sorted({int(g) for g, k in zip(groups, keep, strict=True) if k})
         # keep at most this process's share of the wanted groups, in draw order
@@ -386,11 +392,13 @@ class GRPOTrainer:
         """Reward mean and std, accuracy, lengths, turns, tool calls, and staleness (the policy
         version minus the weight version that produced each generated token) over every process."""
         gaps = [policy_version - v for r in requests for v in r.weight_versions if v is not None]
+        rewards = [r.rewards.final for r in requests if r.rewards.final is not None and not math.isnan(r.rewards.final)]
         sums = self._sum_across_processes(
             {
                 "n": len(requests),
-                "reward": sum(r.rewards.final for r in requests),
-                "reward_sq": sum(r.rewards.final**2 for r in requests),
+                "rewarded": len(rewards),
+                "reward": sum(rewards),
+                "reward_sq": sum(reward**2 for reward in rewards),
                 "graded": sum(r.rewards.answer is not None for r in requests),
                 "correct": sum(r.rewards.answer == 1.0 for r in requests),
                 "response_length": sum(r.metrics.generated_tokens for r in requests),
@@ -405,11 +413,15 @@ class GRPOTrainer:
         )
         stale_max = self._max_across_processes(max(gaps, default=0))
         n = max(sums["n"], 1.0)
-        mean = sums["reward"] / n
+        mean = std = 0.0 if not sums["n"] else math.nan  # reward statistics leave missing rewards out
+        if sums["rewarded"]:
+            mean = sums["reward"] / sums["rewarded"]
+            std = math.sqrt(max(sums["reward_sq"] / sums["rewarded"] - mean**2, 0.0))
         return {
             "trajectories": int(sums["n"]),
             "reward_mean": mean,
-            "reward_std": math.sqrt(max(sums["reward_sq"] / n - mean**2, 0.0)),
+            "reward_std": std,
+            "rewards_missing": int(sums["n"] - sums["rewarded"]),
             "accuracy": sums["correct"] / sums["graded"] if sums["graded"] else float("nan"),
             "response_length": sums["response_length"] / n,
             "turns": sums["turns"] / n,

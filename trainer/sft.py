@@ -263,7 +263,7 @@ def _trajectory_examples(path: Path, min_reward: float | None) -> list[Example]:
             validate_trajectory(trajectory)
         except (orjson.JSONDecodeError, ValueError) as exc:
             raise RecordError(f"not a valid trajectory: {exc}", path=path, line=number) from None
-        if min_reward is not None and trajectory["reward"] < min_reward:
+        if min_reward is not None and (trajectory["reward"] is None or trajectory["reward"] < min_reward):
             continue
         prompt = trajectory["prompt_ids"]
         examples.append(Example(prompt + trajectory["response_ids"], [0] * len(prompt) + trajectory["loss_mask"]))
