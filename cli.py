@@ -67,6 +67,11 @@ def rollout(
     ),
     engine: str = typer.Option("local", help='"local" (embedded) or "sglang" (in-process SGLang, CUDA).'),
     resume: bool = typer.Option(False, help="Keep the trajectories already in --out; run only the missing ones."),
+    reward: str = typer.Option(
+        None, help='Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (data/reward_fns.py).'
+    ),
+    judge_url: str = typer.Option(None, help="OpenAI-compatible URL of a judge model, for the 'judge' reward."),
+    judge_concurrency: int = typer.Option(16, help="Most judge calls in flight at once."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Roll out prompts with tool calls through the embedded engine, SGLang servers or in-process
@@ -111,6 +116,9 @@ def rollout(
                 device=device,
                 progress=progress,
                 skip=done,
+                reward_spec=reward,
+                judge_url=judge_url,
+                judge_concurrency=judge_concurrency,
             )
         )
     except (UserError, RecordError, ToolConfigError, TemplateError, EngineError) as exc:
@@ -191,8 +199,14 @@ async def _rollout(
     device: str,
     progress: bool,
     skip: set[tuple[int, int]],
+    reward_spec: str | None = None,
+    judge_url: str | None = None,
+    judge_concurrency: int = 16,
 ):
-    """Engine + chat tokenizer + tools + runner, wired for one rollout."""
+    """Engine + chat tokenizer + tools + rewards (+ judge) + runner, wired for one rollout."""
+    from data.reward_fns import reward_for_records
+    from rollout.judge import Judge, JudgeConfig
+    from rollout.loop import default_reward
     from rollout.runner import RolloutRunner
     from rollout.tokens import ChatTokenizer, load_tokenizer
     from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
@@ -200,12 +214,23 @@ async def _rollout(
     tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
     tokenizer = load_tokenizer(model_dir)
     chat = ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
-    async with _open_engine(
-        model_dir, engine_urls, engine_kind, max_concurrency, config.max_model_len, device, seed
-    ) as engine:
-        runner = RolloutRunner(
-            engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress, console=console
+    judge = Judge(judge_url, JudgeConfig(max_concurrency=judge_concurrency)) if judge_url else None
+    if judge is not None and not (reward_spec and "judge" in reward_spec):
+        raise UserError("--judge-url needs a --reward that uses it, e.g. --reward judge or 'math+0.5*judge'")
+    try:
+        reward_fn = reward_for_records(reward_spec, {"judge": judge.reward} if judge else None) if reward_spec else None
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"--reward: {exc}") from None
+    async with contextlib.AsyncExitStack() as stack:
+        if judge is not None:
+            await stack.enter_async_context(judge)
+        engine = await stack.enter_async_context(
+            _open_engine(model_dir, engine_urls, engine_kind, max_concurrency, config.max_model_len, device, seed)
         )
+        runner = RolloutRunner(
+            engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress, console=console,
+            reward_fn=reward_fn or default_reward,
+        )  # fmt: skip
         return await runner.run(records, samples, out_path, skip=skip, append=bool(skip))
 
 

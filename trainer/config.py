@@ -23,6 +23,9 @@ class GRPOConfig:
     """Dataset file (.jsonl, .json or .parquet) instead of a synthetic task."""
     tools: str | None = None
     """Tool config (YAML/JSON); default: the calculator."""
+    reward: str | None = None
+    """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (data/reward_fns.py);
+    None: the graded answer, else the tools' rewards."""
     seed: int = 1
     """Seed of prompts, sampling and initialisation (keep it apart from evaluation seeds)."""
     out: str = "runs/grpo"

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 
+from data.reward_fns import reward_for_records
 from data.schema import Record, load_records
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
@@ -93,6 +94,8 @@ class GRPOTrainer:
         console: Console | None = None,
     ):
         self.config = config
+        if config.reward and reward_fn is default_reward:
+            reward_fn = reward_for_records(config.reward)
         self.reward_fn = reward_fn
         self.console = console or Console(stderr=True, soft_wrap=True)
         # cpu=True without CUDA: under torchrun (`accelerate launch --multi_gpu`) that gives gloo ranks
