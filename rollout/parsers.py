@@ -6,7 +6,6 @@ any number per turn. Other formats register a function under a name in ``PARSERS
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,9 @@ def get_parser(name: str) -> Parser:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_CLOSING_TAG_RETRIES = 4
+"""Later closing tags tried when a call's body is not valid JSON (bounds the work on hostile text)."""
 _MAX_ERROR_SNIPPET = 120
 MAX_ARGUMENT_DEPTH = 100
 """Deepest nesting of lists and objects accepted in a call's arguments; deeper ones cannot be
@@ -111,15 +112,36 @@ def parse_call_json(body: str) -> ToolCall:
 @register_parser("qwen25")
 @register_parser("hermes")
 def parse_hermes(text: str) -> ParsedTurn:
-    """Qwen2.5 / Hermes: ``<tool_call>{json}</tool_call>`` blocks; text before the first is content."""
-    start = text.find("<tool_call>")
+    """Qwen2.5 / Hermes: ``<tool_call>{json}</tool_call>`` blocks; text before the first is content.
+
+    A ``</tool_call>`` inside a JSON string (``{"text": "say </tool_call>"}``) does not end the
+    call: when the body up to the first closing tag is not valid JSON, the next few closing tags
+    are tried before the call is reported as malformed.
+    """
+    start = text.find(OPEN)
     if start < 0:
         return ParsedTurn(content=text)
     turn = ParsedTurn(content=text[:start].rstrip())
-    for match in _TOOL_CALL.finditer(text, start):
-        body = match.group(1)
-        if match.group(0).endswith("</tool_call>"):
-            turn.calls.append(parse_call_json(body))
-        else:
+    position = start
+    while position >= 0:
+        body_start = position + len(OPEN)
+        end = text.find(CLOSE, body_start)
+        if end < 0:
+            body = text[body_start:]
             turn.calls.append(ToolCall("", None, f"unclosed <tool_call> (no </tool_call>): {_snippet(body)}"))
+            break
+        call = parse_call_json(text[body_start:end])
+        later = end
+        for _ in range(MAX_CLOSING_TAG_RETRIES):  # a closing tag inside a string cut the body short?
+            if call.error is None or not call.error.startswith("invalid JSON"):
+                break
+            later = text.find(CLOSE, later + len(CLOSE))
+            if later < 0:
+                break
+            candidate = parse_call_json(text[body_start:later])
+            if candidate.error is None:
+                call, end = candidate, later
+                break
+        turn.calls.append(call)
+        position = text.find(OPEN, end + len(CLOSE))
     return turn

@@ -344,3 +344,17 @@ def test_cli_rollout_runs_on_verl_gsm8k_parquet(tmp_path: Path, tiny_model_dir: 
     trajectories = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["ground_truth"] for t in trajectories] == ["2", "6"]
     assert {t["data_source"] for t in trajectories} == {"openai/gsm8k"}
+
+
+def test_verl_gsm8k_parquet_rolls_out_with_the_shipped_verl_tool_config(tmp_path: Path) -> None:
+    """verl names the answer tool calc_gsm8k_reward; data/assets/tools/verl_gsm8k.yaml maps it to answer_check."""
+    rows = [_verl_gsm8k_row(i, f"What is {i} + {i}?", str(2 * i)) for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    tools = Path(__file__).resolve().parents[1] / "data" / "assets" / "tools" / "verl_gsm8k.yaml"
+    out = tmp_path / "out.jsonl"
+    made = run_cli("rollout", "--data", str(tmp_path / "verl.parquet"), "--tools", str(tools), "--out", str(out),
+                   "--max-turns", "2", "--max-new-tokens", "48", "--no-progress")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert len(lines) == 3
+    assert all(line["finish_reason"] != "error" for line in lines), [line["error"] for line in lines]
