@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,18 +134,7 @@ async def run_rallyrl(scenario: Scenario, url: str) -> ClientRun:
         )  # fmt: skip
         t0 = time.monotonic()
         result, wall, cpu, meter = await _measured(engine, runner.run(records, 1))
-    requests = result.requests
-    return ClientRun(
-        makespan_s=wall,
-        request_latency_s=[r.trace[-1].t - t0 for r in requests],
-        turns=sum(r.metrics.turns for r in requests),
-        started=t0,
-        cpu_s=cpu,
-        peak_rss_mb=meter.peak_rss / 2**20,
-        cpu_per_turn_windows_us=meter.windows_us(),
-        segments=[_segments(r, t0) for r in requests],
-        finish_reasons=result.summary.finish_reasons,
-    )
+    return _client_run(result.requests, t0, wall, cpu, meter)
 
 
 async def run_batch_level(scenario: Scenario, url: str) -> ClientRun:
@@ -198,10 +188,11 @@ async def run_batch_level(scenario: Scenario, url: str) -> ClientRun:
     async with CountingEngine(url, http_config()) as engine:
         t0 = time.monotonic()
         _, wall, cpu, meter = await _measured(engine, rollout(engine))
-    reasons: dict[str, int] = {}
-    for request in requests:
-        key = request.finish_reason.value if request.finish_reason else "none"
-        reasons[key] = reasons.get(key, 0) + 1
+    return _client_run(requests, t0, wall, cpu, meter)
+
+
+def _client_run(requests: list[AsyncRolloutRequest], t0: float, wall: float, cpu: float, meter: _Meter) -> ClientRun:
+    reasons = Counter(r.finish_reason.value if r.finish_reason else "none" for r in requests)
     return ClientRun(
         makespan_s=wall,
         request_latency_s=[r.trace[-1].t - t0 for r in requests],
@@ -211,5 +202,5 @@ async def run_batch_level(scenario: Scenario, url: str) -> ClientRun:
         peak_rss_mb=meter.peak_rss / 2**20,
         cpu_per_turn_windows_us=meter.windows_us(),
         segments=[_segments(r, t0) for r in requests],
-        finish_reasons=reasons,
+        finish_reasons=dict(reasons),
     )

@@ -31,13 +31,18 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.sglang_protocol import parse_generation, parse_weight_version, sampling_params_payload
+from rollout.engines.sglang_protocol import (
+    generate_resuming,
+    parse_generation,
+    parse_weight_version,
+    sampling_params_payload,
+)
 
 MISSING_SGLANG = "the in-process SGLang engine needs SGLang: pip install 'rallyrl[sglang]' (a CUDA machine)"
 
@@ -140,29 +145,13 @@ class SGLangEngine:
         self._require_open()
         if not input_ids:
             raise EngineError(f"request {rid}: empty input_ids")
-        output_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        resumes = 0
         self._aborted.discard(rid)
         self.in_flight += 1
         try:
-            while True:
-                budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
-                part = await self._generate_once(input_ids + output_ids, budget, rid)
-                output_ids += part.output_ids
-                logprobs += part.output_logprobs
-                versions += part.token_weight_versions()
-                finish = part.finish_reason
-                resumable = finish == "abort" and rid not in self._aborted
-                if resumable and len(output_ids) >= sampling.max_new_tokens:
-                    finish, resumable = "length", False
-                if not resumable or resumes >= self.config.max_resumes:
-                    return Generation(
-                        output_ids, logprobs, finish, part.weight_version,
-                        meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
-                    )  # fmt: skip
-                resumes += 1
+            return await generate_resuming(
+                lambda ids, budget: self._generate_once(ids, budget, rid),
+                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
+            )  # fmt: skip
         finally:
             self.in_flight -= 1
             self._wire_rids.pop(rid, None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,7 +28,12 @@ import orjson
 import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.sglang_protocol import generate_payload, parse_generation, parse_weight_version
+from rollout.engines.sglang_protocol import (
+    generate_payload,
+    generate_resuming,
+    parse_generation,
+    parse_weight_version,
+)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -110,26 +115,14 @@ class SGLangHTTPEngine:
         """Continue ``input_ids``; resumed across server-side aborts (weight updates)."""
         self._aborted.discard(rid)
         self._active.add(rid)
-        output_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        resumes = 0
         self.in_flight += 1
         try:
-            while True:
-                budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
-                part = await self._generate_once(input_ids + output_ids, budget, rid)
-                output_ids += part.output_ids
-                logprobs += part.output_logprobs
-                versions += part.token_weight_versions()
-                self.weight_version = max(self.weight_version, part.weight_version)
-                resumable = part.finish_reason == "abort" and rid not in self._aborted
-                if not resumable or resumes >= self.config.max_resumes or len(output_ids) >= sampling.max_new_tokens:
-                    return Generation(
-                        output_ids, logprobs, part.finish_reason, part.weight_version,
-                        meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
-                    )  # fmt: skip
-                resumes += 1
+            generation = await generate_resuming(
+                lambda ids, budget: self._generate_once(ids, budget, rid),
+                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
+            )  # fmt: skip
+            self.weight_version = max(self.weight_version, generation.weight_version)
+            return generation
         finally:
             self.in_flight -= 1
             self._aborted.discard(rid)

@@ -13,6 +13,8 @@ A response looks like (other keys are tolerated)::
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Container
+from dataclasses import replace
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
@@ -135,3 +137,36 @@ def finish_reason_payload(generation: Generation, message: str = "") -> dict[str
     if generation.finish_reason == "length":
         return {"type": "length", "length": len(generation.output_ids)}
     return {"type": "abort", "message": message or "Aborted", "status_code": None, "err_type": None}
+
+
+async def generate_resuming(
+    generate_once: Callable[[list[int], SamplingParams], Awaitable[Generation]],
+    input_ids: list[int],
+    sampling: SamplingParams,
+    aborted_by_us: Container[str],
+    rid: str,
+    max_resumes: int,
+) -> Generation:
+    """Generate, resuming across aborts we did not ask for (a weight update paused the server):
+    each resume continues from the tokens so far with the rest of the budget, and every token
+    keeps the weight version that produced it. An abort that used the whole budget is "length"."""
+    output_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    resumes = 0
+    while True:
+        budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
+        part = await generate_once(input_ids + output_ids, budget)
+        output_ids += part.output_ids
+        logprobs += part.output_logprobs
+        versions += part.token_weight_versions()
+        finish = part.finish_reason
+        resumable = finish == "abort" and rid not in aborted_by_us
+        if resumable and len(output_ids) >= sampling.max_new_tokens:
+            finish, resumable = "length", False
+        if not resumable or resumes >= max_resumes:
+            return Generation(
+                output_ids, logprobs, finish, part.weight_version,
+                meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
+            )  # fmt: skip
+        resumes += 1
