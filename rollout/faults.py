@@ -18,43 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from rollout.config import FaultConfig
+
 FAULTED_PATH = "/generate"
-
-
-@dataclass
-class FaultConfig:
-    """Faults injected into ``/generate`` (the shares are of calls; each call meets at most one)."""
-
-    error_rate: float = 0.0
-    """Share of /generate calls answered HTTP 500 without generating."""
-    hang_rate: float = 0.0
-    """Share of /generate calls held open without an answer for ``hang_s`` (until the client gives up)."""
-    drop_rate: float = 0.0
-    """Share of /generate calls whose connection is reset mid-response (headers and half the body sent)."""
-    hang_s: float = 3600.0
-    """How long a hung call is held open before it is served after all."""
-    seed: int = 0
-    """Seed of the draws: the n-th /generate call meets the same fault in every run with this seed."""
-
-    def __post_init__(self) -> None:
-        for name in ("error_rate", "hang_rate", "drop_rate"):
-            rate = getattr(self, name)
-            if not 0 <= rate <= 1:
-                raise ValueError(f"FaultConfig.{name} must be a share in [0, 1], got {rate}")
-        if self.total_rate > 1 + 1e-9:
-            raise ValueError(f"FaultConfig: error_rate + hang_rate + drop_rate must be <= 1, got {self.total_rate:g}")
-        if not self.hang_s > 0:
-            raise ValueError(f"FaultConfig.hang_s must be > 0, got {self.hang_s}")
-
-    @property
-    def total_rate(self) -> float:
-        return self.error_rate + self.hang_rate + self.drop_rate
 
 
 class FaultInjector:

@@ -37,12 +37,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import orjson
 
 from data.reward_fns import final_answer_text, question_text
+from rollout.config import JudgeConfig
 from rollout.engines.base import Engine, SamplingParams
 from rollout.loop import truncate_middle
 from rollout.request import AsyncRolloutRequest
@@ -81,55 +82,6 @@ _SCORE_RE = re.compile(
 )
 _LABELLED_VERDICT_RE = re.compile(r"\b(?:verdict|judge?ment|correct)\b\s*[:=]\s*\**\s*(yes|no)\b", re.IGNORECASE)
 _CAPS_VERDICT_RE = re.compile(r"\b(YES|NO)\b")
-
-
-@dataclass
-class JudgeConfig:
-    """Every setting of a judge."""
-
-    max_concurrency: int = 16
-    """Most judge calls in flight at once; the others wait in a queue."""
-    mode: Literal["score", "yes_no"] = "score"
-    """``score``: the reply says "score: X" (X in 0..score_max); ``yes_no``: it says YES or NO."""
-    template: str | None = None
-    """Prompt with {question}, {reference}, {answer} (and {score_max}); None: the mode's default."""
-    score_max: float = 10.0
-    """The top of the judge's score scale; a score is divided by it (a "7/10" reply by its own 10)."""
-    max_new_tokens: int = 256
-    """Most tokens of a judge's reply."""
-    temperature: float = 0.0
-    """Sampling temperature of the judge (0: greedy)."""
-    timeout_s: float = 120.0
-    """Wall-clock limit of one judge call."""
-    max_retries: int = 3
-    """Retries of a failed call (engine or HTTP error, unparsable reply) before the judgment fails."""
-    backoff_s: float = 0.5
-    """First retry delay; doubles each retry, with jitter."""
-    backoff_max_s: float = 8.0
-    """Longest retry delay."""
-    max_answer_chars: int = 4000
-    """Longer questions, references and answers keep their head and tail in the prompt."""
-    cache_path: str | None = None
-    """JSON file of cached scores, read at start and written on exit (None: in memory only)."""
-    model: str = "default"
-    """The ``model`` field of OpenAI requests (servers that host several models pick by it)."""
-    api_key: str | None = None
-    """Sent as ``Authorization: Bearer`` to an OpenAI-compatible URL."""
-    connect_timeout_s: float = 10.0
-    """Limit on opening a connection to an OpenAI-compatible URL."""
-
-    def __post_init__(self) -> None:
-        if self.max_concurrency < 1:
-            raise ValueError(f"JudgeConfig.max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.mode not in ("score", "yes_no"):
-            raise ValueError(f"JudgeConfig.mode must be 'score' or 'yes_no', got {self.mode!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"JudgeConfig.max_retries must be >= 0, got {self.max_retries}")
-        for name in ("score_max", "timeout_s", "max_new_tokens", "max_answer_chars"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"JudgeConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.template is not None and "{answer}" not in self.template:
-            raise ValueError("JudgeConfig.template must contain {answer} (and usually {question} and {reference})")
 
 
 @dataclass

@@ -14,57 +14,16 @@ import inspect
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import orjson
 
 from data.rewards import score_answer
+from rollout.config import RolloutConfig
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool, ToolError, ToolResponse
-
-
-@dataclass
-class RolloutConfig:
-    """Every per-request limit and sampling setting of a rollout."""
-
-    max_turns: int = 8
-    """Most assistant turns per request; a request still calling tools after it ends as max_turns."""
-    max_parallel_calls: int = 4
-    """Most tool calls executed per turn; further calls in that turn are answered with an error."""
-    tool_timeout_s: float = 30.0
-    """Wall-clock limit of one tool call (execute); a slower call is answered with an error."""
-    max_tool_response_chars: int = 2000
-    """Longer tool outputs keep their head and tail with a marker in the middle."""
-    max_new_tokens: int = 256
-    """Most tokens generated in one assistant turn."""
-    max_model_len: int = 2048
-    """Most tokens in the whole conversation (prompt + every turn)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    tool_parser: str = "qwen25"
-    """Name of the tool-call parser in ``rollout.parsers.PARSERS``."""
-    tool_reward_timeout_s: float = 30.0
-    """Limit for each tool's calc_reward and release."""
-    check_consistency: bool = True
-    """Re-render each finished conversation and record any token difference."""
-    seed: int | None = None
-    """With a seed, each turn samples with its own seed derived from (seed, prompt index, sample
-    index, turn): the same tokens however requests are batched or split over processes."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_parallel_calls", "max_tool_response_chars", "max_new_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("tool_timeout_s", "tool_reward_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # same checks as the engines'
-        get_parser(self.tool_parser)  # an unknown name fails here, not in every request
-
 
 RewardFn = Callable[[AsyncRolloutRequest], float | Awaitable[float | None] | None]
 """Final reward of a finished request; may be async (an LLM judge). None / NaN: missing, which only a

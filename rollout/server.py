@@ -21,7 +21,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,10 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
+from rollout.config import ServeConfig
 from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import finish_reason_payload, parse_weight_version, sampling_from_payload
-from rollout.faults import FaultConfig, install_faults
+from rollout.faults import install_faults
 from rollout.parsers import get_parser
 from rollout.tokens import ChatTokenizer, TemplateError
 
@@ -40,27 +40,6 @@ SERVER_VERSION = "rallyrl-0.1.0"
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
 """Paths answered without the API key (as in SGLang), so that health probes need no secret."""
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServeConfig:
-    """Settings of ``rallyrl serve``."""
-
-    model_path: str
-    """The model directory the engine was loaded from (reported by /get_model_info)."""
-    host: str = "127.0.0.1"
-    """Interface to bind; loopback unless you mean to expose the server."""
-    port: int = 30000
-    served_model_name: str | None = None
-    """Model name in the OpenAI API (default: the model directory's name)."""
-    tool_parser: str = "qwen25"
-    """Parser of tool calls in /v1/chat/completions."""
-    api_key: str | None = None
-    """Require ``Authorization: Bearer <key>`` on every request."""
-    max_batch_size: int = 256
-    """Reported in /get_server_info (the engine's own setting)."""
-    faults: FaultConfig | None = None
-    """Faults to inject into /generate, for testing clients (rollout/faults.py); None: none."""
 
 
 class BadRequest(ValueError):
@@ -75,8 +54,8 @@ class EngineServer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
-        self.model_name = config.served_model_name or Path(config.model_path).name
-        self.vocab_size: int | None = _model_config(config.model_path).get("vocab_size")
+        self.model_name = config.served_model_name or Path(config.model).name
+        self.vocab_size: int | None = _model_config(config.model).get("vocab_size")
         self.weight_version: int | None = None  # None until the first update ("default" in SGLang)
         self.started = time.time()
         self._open = asyncio.Event()  # set while new requests may start
@@ -287,11 +266,11 @@ class EngineServer:
         return web.Response(status=200)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
-        config = _model_config(self.config.model_path)
+        config = _model_config(self.config.model)
         return _json(
             {
-                "model_path": self.config.model_path,
-                "tokenizer_path": self.config.model_path,
+                "model_path": self.config.model,
+                "tokenizer_path": self.config.model,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self._version_text(),
@@ -306,17 +285,17 @@ class EngineServer:
         return _json({"weight_version": self._version_text()})
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        state = {"model_path": self.config.model_path, "weight_version": self._version_text(), "dp_size": 1,
+        state = {"model_path": self.config.model, "weight_version": self._version_text(), "dp_size": 1,
                  "tp_size": 1, "in_flight": self._in_flight, "paused": self._paused, **self.counters}  # fmt: skip
         return _json(
             {
-                "model_path": self.config.model_path,
-                "tokenizer_path": self.config.model_path,
-                "context_length": _model_config(self.config.model_path).get("max_position_embeddings"),
+                "model_path": self.config.model,
+                "tokenizer_path": self.config.model,
+                "context_length": _model_config(self.config.model).get("max_position_embeddings"),
                 "is_embedding": False,
                 "host": self.config.host,
                 "port": self.config.port,
-                "max_running_requests": self.config.max_batch_size,
+                "max_running_requests": self.config.engine.max_batch_size,
                 "served_model_name": self.model_name,
                 "weight_version": self._version_text(),
                 "tool_call_parser": self.config.tool_parser,
@@ -400,7 +379,7 @@ class EngineServer:
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "rallyrl",
-                 "root": self.config.model_path, "max_model_len": _model_config(self.config.model_path).get(
+                 "root": self.config.model, "max_model_len": _model_config(self.config.model).get(
                      "max_position_embeddings")}  # fmt: skip
         return _json({"object": "list", "data": [model]})
 

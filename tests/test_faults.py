@@ -47,7 +47,7 @@ def model_tokenizer():
 async def faulted(tokenizer: Any, faults: FaultConfig) -> AsyncIterator[tuple[TestClient, ScriptedEngine]]:
     """An in-process server with ``faults`` over a scripted engine that always gives ``ANSWER``."""
     engine = ScriptedEngine(ChatTokenizer(tokenizer), lambda turn, prompt, rid: ANSWER)
-    server = EngineServer(engine, tokenizer, ServeConfig(model_path=str(EMBEDDED_MODEL), faults=faults))
+    server = EngineServer(engine, tokenizer, ServeConfig(model=str(EMBEDDED_MODEL), faults=faults))
     async with TestClient(TestServer(server.app()), connector=aiohttp.TCPConnector(limit=0)) as client:
         yield client, engine
 

@@ -348,7 +348,7 @@ async def embedded_server() -> AsyncIterator[str]:
     """The embedded model behind ``rallyrl serve`` on a loopback port of this event loop."""
     async with LocalEngine.from_pretrained(EMBEDDED_MODEL, LocalEngineConfig(max_batch_size=8, device="cpu")) as engine:
         ready = asyncio.Event()
-        config = ServeConfig(model_path=str(EMBEDDED_MODEL), port=0)
+        config = ServeConfig(model=str(EMBEDDED_MODEL), port=0)
         task = asyncio.create_task(serve(engine, load_tokenizer(EMBEDDED_MODEL), config, ready))
         await asyncio.wait_for(ready.wait(), 30)
         try:

@@ -33,7 +33,7 @@ async def running_server(port: int, model_dir: Path = EMBEDDED_MODEL):
     """A real server on 127.0.0.1:port in this event loop; stopped at exit."""
     async with LocalEngine.from_pretrained(model_dir, LocalEngineConfig(max_batch_size=8)) as engine:
         ready = asyncio.Event()
-        config = ServeConfig(model_path=str(model_dir), port=port)
+        config = ServeConfig(model=str(model_dir), port=port)
         task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
         await asyncio.wait_for(ready.wait(), 30)
         try:

@@ -66,7 +66,7 @@ def perturbed_model_dir(tmp_path_factory) -> Path:
 
 @contextlib.asynccontextmanager
 async def served(engine: Any, tokenizer: Any, **config: Any) -> AsyncIterator[TestClient]:
-    server = EngineServer(engine, tokenizer, ServeConfig(model_path=str(EMBEDDED_MODEL), **config))
+    server = EngineServer(engine, tokenizer, ServeConfig(model=str(EMBEDDED_MODEL), **config))
     async with TestClient(TestServer(server.app())) as client:
         yield client
 
@@ -585,7 +585,7 @@ async def test_chat_tool_call_response_has_the_shape_of_sglangs(model_tokenizer)
 
 async def test_serve_binds_a_free_port_and_answers_until_cancelled(model_tokenizer):
     engine = scripted(model_tokenizer, lambda turn, prompt, rid: "ok")
-    config = ServeConfig(model_path=str(EMBEDDED_MODEL), port=0)
+    config = ServeConfig(model=str(EMBEDDED_MODEL), port=0)
     ready = asyncio.Event()
     task = asyncio.create_task(serve(engine, model_tokenizer, config, ready))
     try:

@@ -23,29 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
+from rollout.engines.config import LocalEngineConfig
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
 from rollout.engines.shared_prefix import NAME as SHARED_PREFIX_ATTENTION
-
-
-@dataclass
-class LocalEngineConfig:
-    """Settings of the embedded engine."""
-
-    max_batch_size: int = 128
-    """Most sequences decoded together; more wait in a FIFO queue."""
-    max_prefill_tokens: int = 8192
-    """Most prompt tokens (padded) prefilled in one step, so decode is never starved for long."""
-    max_model_len: int | None = None
-    """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
-    device: str = "auto"
-    """"auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:1", ..."""
-    dtype: str = "auto"
-    """"auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16"."""
-    seed: int = 0
-    """Seed of the sampling generator."""
-    prefix_cache_mb: int = 512
-    """Memory for the KV of finished sequences, reused by prompts that extend them (0 = off)."""
-
 
 MIN_SHARED_PREFIX = 64
 """Decode reads a prompt prefix shared by every running sequence once when it is at least this long."""
@@ -188,7 +168,7 @@ class LocalEngine:
         )
         self._prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
         self._flush_requested = False
-        self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed or 0)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index == KV row
         self._aborts: set[str | None] = set()

@@ -21,25 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.sglang_http import ServerUnavailableError, SGLangHTTPConfig, SGLangHTTPEngine
+from rollout.engines.config import PoolConfig
+from rollout.engines.sglang_http import ServerUnavailableError, SGLangHTTPEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PoolConfig:
-    """Settings of a pool of servers."""
-
-    health_interval_s: float = 1.0
-    """Seconds between health checks of every server."""
-    failures_to_eject: int = 2
-    """Consecutive failed health checks that take a server out (a failed request takes it out at once)."""
-    wait_for_server_s: float = 120.0
-    """How long a request waits for a server to come back when none is healthy, before it fails."""
-    sticky_entries: int = 200_000
-    """Most remembered request -> server assignments (oldest forgotten first)."""
-    client: SGLangHTTPConfig = field(default_factory=lambda: SGLangHTTPConfig(max_retries=1))
-    """Settings of each server's client: few retries, since another server can take the request."""
 
 
 @dataclass

@@ -31,12 +31,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.config import SGLangEngineConfig
 from rollout.engines.sglang_protocol import (
     generate_resuming,
     parse_generation,
@@ -53,27 +53,6 @@ def import_sglang(module: str = "sglang") -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise EngineError(f"{MISSING_SGLANG} (import {module}: {exc})") from exc
-
-
-@dataclass
-class SGLangEngineConfig:
-    """Settings of the in-process SGLang engine."""
-
-    model_path: str = ""
-    """Model directory (or a name SGLang resolves) that ``sglang.Engine`` loads; required by ``from_config``."""
-    server_args: dict[str, Any] = field(default_factory=dict)
-    """Passed as they are to ``sglang.Engine(**server_args)``: mem_fraction_static, tp_size, dtype, ..."""
-    max_resumes: int = 32
-    """Most times one generation is resumed after weight-update aborts before it is returned as aborted."""
-    abort_on_update: bool = True
-    """Abort in-flight generations at a weight update (they resume on the new weights); False lets
-    SGLang wait for them to finish first."""
-
-    def __post_init__(self) -> None:
-        if self.max_resumes < 0:
-            raise ValueError(f"SGLangEngineConfig.max_resumes must be >= 0, got {self.max_resumes}")
-        if "model_path" in self.server_args:
-            raise ValueError("give the model as SGLangEngineConfig.model_path, not in server_args")
 
 
 class SGLangEngine:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,6 +27,7 @@ import orjson
 import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.config import SGLangHTTPConfig
 from rollout.engines.sglang_protocol import (
     generate_payload,
     generate_resuming,
@@ -37,30 +37,6 @@ from rollout.engines.sglang_protocol import (
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-@dataclass
-class SGLangHTTPConfig:
-    """Settings of one server's client."""
-
-    timeout_s: float = 600.0
-    """Wall-clock limit of one /generate attempt (the whole response)."""
-    connect_timeout_s: float = 10.0
-    """Limit on opening a connection."""
-    max_retries: int = 5
-    """Retries of a failed attempt (connection error, timeout, 408, 429, 5xx) before giving up."""
-    backoff_s: float = 0.25
-    """First retry delay; doubles each retry, with full jitter."""
-    backoff_max_s: float = 8.0
-    """Longest retry delay."""
-    max_connections: int = 0
-    """Most open connections to the server (0: no limit, so thousands of requests can be in flight)."""
-    max_resumes: int = 32
-    """Most times one generation is resumed after server-side aborts before it is returned as aborted."""
-    control_timeout_s: float = 300.0
-    """Limit of control calls (weight updates, pause, flush, health)."""
-    api_key: str | None = None
-    """Sent as ``Authorization: Bearer`` when the server was started with --api-key."""
 
 
 class RetryableError(EngineError):

@@ -1,0 +1,266 @@
+"""The rollout side of the config tree: per-request limits and sampling (``RolloutConfig``), the
+judge, and the root configs of ``rallyrl rollout`` and ``rallyrl serve``.
+
+Light on purpose: no torch, sympy or math-verify, so ``rallyrl config --show`` is quick. Each
+default is written once, here or in ``rollout/engines/config.py`` (engines) and
+``trainer/config.py`` (training, evaluation); YAML files and flags override them
+(``data/config_tree.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from data.config_tree import check_fields
+from rollout.engines.config import EngineConfig, LocalEngineConfig
+
+
+@dataclass
+class RolloutConfig:
+    """Every per-request limit and sampling setting of a rollout, and its concurrency."""
+
+    # --- turns and token budgets ---
+    max_turns: int = 8
+    """Most assistant turns per request; a request still calling tools after it ends as max_turns."""
+    max_new_tokens: int = 256
+    """Most tokens generated in one assistant turn (SGLang's ``max_new_tokens``)."""
+    max_response_tokens: int | None = None
+    """Most tokens after the prompt over the whole conversation (generated, template glue and tool
+    output alike; TRL's ``max_completion_length``, verl's ``response_length``). A request that reaches
+    it ends with ``length``. None: only ``max_new_tokens`` and ``max_model_len`` bound it."""
+    max_model_len: int = 2048
+    """Most tokens in the whole conversation (prompt + every turn); the engine's context limit
+    unless ``engine.local.max_model_len`` says otherwise."""
+
+    # --- sampling (SGLang's names) ---
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy). The trainer divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus cut, in (0, 1]."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (0 or less: no cut). Logprobs stay those of the full
+    temperature-scaled distribution, so TIS (``tis_cap``) corrects the cut."""
+    seed: int | None = None
+    """With a seed, each turn samples with its own seed derived from (seed, prompt index, sample
+    index, turn): the same tokens however requests are batched or split over processes. Training
+    sets it per step from its own ``seed``."""
+
+    # --- tools ---
+    tool_parser: str = "qwen25"
+    """Parser of the model's tool calls (a name in ``rollout.parsers.PARSERS``: qwen25/hermes
+    ``<tool_call>{json}</tool_call>``, ...)."""
+    max_parallel_calls: int = 4
+    """Most tool calls executed per turn; further calls in that turn are answered with an error."""
+    tool_timeout_s: float = 30.0
+    """Wall-clock limit of one tool call (execute); a slower call is answered with an error."""
+    max_tool_response_chars: int = 2000
+    """Longer tool outputs keep their head and tail with a marker in the middle."""
+    tool_reward_timeout_s: float = 30.0
+    """Limit of each tool's create, calc_reward and release."""
+
+    # --- the batch ---
+    max_concurrency: int = 64
+    """Requests in flight at once (per process); the rest wait for a slot. With the embedded
+    engine, ``engine.local.max_batch_size`` bounds how many of them decode together."""
+    check_consistency: bool = True
+    """Re-render each finished conversation and record any token difference (``consistency_diff``)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("max_turns", "max_parallel_calls", "max_tool_response_chars", "max_new_tokens", "max_model_len",
+                     "max_concurrency"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_response_tokens is not None and self.max_response_tokens < 1:
+            raise ValueError(f"RolloutConfig.max_response_tokens must be >= 1, got {self.max_response_tokens}")
+        for name in ("tool_timeout_s", "tool_reward_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"RolloutConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
+        from rollout.parsers import get_parser
+
+        get_parser(self.tool_parser)  # an unknown name fails here, not in every request
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge (``rollout/judge.py``) for the ``judge`` reward: a server's OpenAI-compatible URL."""
+
+    url: str | None = None
+    """OpenAI-compatible URL of the judge model (``.../v1`` or its ``/chat/completions``); the
+    ``judge`` reward needs it. ``rallyrl serve`` or any OpenAI-compatible server will do."""
+
+    max_concurrency: int = 16
+    """Most judge calls in flight at once; the others wait in a queue."""
+    mode: Literal["score", "yes_no"] = "score"
+    """``score``: the reply says "score: X" (X in 0..score_max); ``yes_no``: it says YES or NO."""
+    template: str | None = None
+    """Prompt with {question}, {reference}, {answer} (and {score_max}); None: the mode's default."""
+    score_max: float = 10.0
+    """The top of the judge's score scale; a score is divided by it (a "7/10" reply by its own 10)."""
+    max_new_tokens: int = 256
+    """Most tokens of a judge's reply."""
+    temperature: float = 0.0
+    """Sampling temperature of the judge (0: greedy)."""
+    timeout_s: float = 120.0
+    """Wall-clock limit of one judge call."""
+    max_retries: int = 3
+    """Retries of a failed call (engine or HTTP error, unparsable reply) before the judgment fails."""
+    backoff_s: float = 0.5
+    """First retry delay; doubles each retry, with jitter."""
+    backoff_max_s: float = 8.0
+    """Longest retry delay."""
+    max_answer_chars: int = 4000
+    """Longer questions, references and answers keep their head and tail in the prompt."""
+    cache_path: str | None = None
+    """JSON file of cached scores, read at start and written on exit (None: in memory only)."""
+    model: str = "default"
+    """The ``model`` field of OpenAI requests (servers that host several models pick by it)."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer`` to an OpenAI-compatible URL."""
+    connect_timeout_s: float = 10.0
+    """Limit on opening a connection to an OpenAI-compatible URL."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_concurrency < 1:
+            raise ValueError(f"JudgeConfig.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_retries < 0:
+            raise ValueError(f"JudgeConfig.max_retries must be >= 0, got {self.max_retries}")
+        for name in ("score_max", "timeout_s", "max_new_tokens", "max_answer_chars"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"JudgeConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.template is not None and "{answer}" not in self.template:
+            raise ValueError("JudgeConfig.template must contain {answer} (and usually {question} and {reference})")
+
+
+@dataclass
+class FaultConfig:
+    """Faults injected into ``/generate`` (the shares are of calls; each call meets at most one)."""
+
+    error_rate: float = 0.0
+    """Share of /generate calls answered HTTP 500 without generating."""
+    hang_rate: float = 0.0
+    """Share of /generate calls held open without an answer for ``hang_s`` (until the client gives up)."""
+    drop_rate: float = 0.0
+    """Share of /generate calls whose connection is reset mid-response (headers and half the body sent)."""
+    hang_s: float = 3600.0
+    """How long a hung call is held open before it is served after all."""
+    seed: int = 0
+    """Seed of the draws: the n-th /generate call meets the same fault in every run with this seed."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("error_rate", "hang_rate", "drop_rate"):
+            rate = getattr(self, name)
+            if not 0 <= rate <= 1:
+                raise ValueError(f"FaultConfig.{name} must be a share in [0, 1], got {rate}")
+        if self.total_rate > 1 + 1e-9:
+            raise ValueError(f"FaultConfig: error_rate + hang_rate + drop_rate must be <= 1, got {self.total_rate:g}")
+        if not self.hang_s > 0:
+            raise ValueError(f"FaultConfig.hang_s must be > 0, got {self.hang_s}")
+
+    @property
+    def total_rate(self) -> float:
+        return self.error_rate + self.hang_rate + self.drop_rate
+
+
+@dataclass
+class CommonConfig:
+    """Fields every command's root config has."""
+
+    model: str | None = None
+    """Hugging Face model directory (or a training checkpoint, ``out/checkpoints/step-N``); None:
+    the embedded tiny-calc model. With ``engine.urls``, the tokenizer of the served model."""
+    seed: int = 0
+    """Seed of prompts and sampling."""
+    threads: int | None = None
+    """torch intra-op threads (``torch.set_num_threads``); None: torch's default (one per core,
+    or ``OMP_NUM_THREADS``)."""
+    progress: bool = True
+    """Show progress bars."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class PromptsConfig(CommonConfig):
+    """Where a command's prompts come from, and the tools and rewards they are rolled out with."""
+
+    task: str | None = None
+    """Synthetic task to generate prompts for (``data/synthetic.py``); None with no ``data``: calc."""
+    data: str | None = None
+    """Dataset file (.jsonl, .json or .parquet; rallyrl or verl layout) instead of a task."""
+    num_prompts: int | None = None
+    """Prompts to use: the first N records of ``data``, or N generated ones (None: all of ``data``,
+    or the command's own number for a task)."""
+    samples_per_prompt: int = 1
+    """Samples per prompt (GRPO's group size)."""
+    tools: str | None = None
+    """Tool config (YAML or JSON: ``class_name``, ``config``, ``schema``); None: the calculator."""
+    reward: str | None = None
+    """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (``data/reward_fns.py``);
+    None: the graded answer where the record has a ground truth, else the sum of the tools' rewards.
+    ``judge`` in it needs ``judge.url``."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.task is not None and self.data is not None:
+            raise ValueError("give task or data, not both")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        uses_judge = self.reward is not None and "judge" in self.reward
+        if uses_judge and not self.judge.url:
+            raise ValueError("the reward uses 'judge', so judge.url must name the judge's OpenAI-compatible URL")
+        if self.judge.url and not uses_judge:
+            raise ValueError("judge.url is set but the reward does not use it: e.g. reward: judge, or 'math+0.5*judge'")
+
+
+@dataclass
+class RolloutJobConfig(PromptsConfig):
+    """``rallyrl rollout``: records x samples through the engine, trajectories to JSONL as they finish."""
+
+    out: str = "rollouts.jsonl"
+    """Output JSONL, one trajectory per line, in finishing order."""
+    resume: bool = False
+    """Keep the trajectories already in ``out`` and run only the missing (prompt, sample) pairs."""
+
+
+@dataclass
+class ServeConfig(CommonConfig):
+    """``rallyrl serve``: the embedded engine behind SGLang's HTTP API (and OpenAI's)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless you mean to expose the server."""
+    port: int = 30000
+    """Port (0: pick a free one and print it)."""
+    served_model_name: str | None = None
+    """Model name in the OpenAI API (default: the model directory's name)."""
+    tool_parser: str = "qwen25"
+    """Parser of tool calls in /v1/chat/completions."""
+    api_key: str | None = None
+    """Require ``Authorization: Bearer <key>`` on every request."""
+    engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    """The embedded engine behind the server."""
+    faults: FaultConfig | None = None
+    """Faults to inject into /generate, for testing clients (``rollout/faults.py``); None: none."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        from rollout.parsers import get_parser
+
+        get_parser(self.tool_parser)
