@@ -43,9 +43,9 @@ import aiohttp
 import orjson
 
 from data.reward_fns import final_answer_text, question_text
+from data.text import truncate_middle
 from rollout.config import JudgeConfig
 from rollout.engines.base import Engine, SamplingParams
-from rollout.loop import truncate_middle
 from rollout.request import AsyncRolloutRequest
 from rollout.tokens import ChatTokenizer
 

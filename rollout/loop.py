@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from data.rewards import score_answer
+from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
@@ -205,28 +206,9 @@ async def _call_tool(
     return record
 
 
-def valid_text(text: str) -> str:
-    """``text`` with lone surrogates (which no tokenizer or JSON encoder takes) replaced."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
-
-
 def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
     """A sampling seed for one turn of one (prompt, sample), stable across runs and processes."""
     return (seed * 1_000_003 + request.prompt_index * 10_007 + request.sample_index * 101 + turn) % 2**62
-
-
-def truncate_middle(text: str, limit: int) -> str:
-    """Keep the head and tail of ``text`` within ``limit`` characters, marking the cut."""
-    if len(text) <= limit:
-        return text
-    marker = f"\n...[{len(text) - limit} characters cut]...\n"
-    keep = max(limit - len(marker), 0)
-    head = keep - keep // 2
-    return text[:head] + marker + text[len(text) - keep // 2 :]
 
 
 async def _score(
