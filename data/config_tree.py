@@ -247,9 +247,9 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, following in zip(body, [*body[1:], None], strict=True):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                    docs[node.target.id] = inspect.cleandoc(str(following.value.value))
+            documented = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and documented:
+                docs[node.target.id] = inspect.cleandoc(str(following.value.value))
     return docs
 
 
