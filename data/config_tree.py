@@ -55,6 +55,15 @@ def _describe(hint: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
+def literal_values(hint: Any) -> tuple[Any, ...]:
+    """The allowed values of a ``Literal`` hint (also inside ``X | None``); () for other hints."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return tuple(v for a in typing.get_args(hint) for v in literal_values(a))
+    return ()
+
+
 def convert(hint: Any, value: Any, where: str) -> Any:
     """``value`` checked against ``hint`` (ints become floats where a float is expected, mappings
     become dataclasses); ConfigError naming ``where`` when it does not fit."""
@@ -262,11 +271,16 @@ def _yaml_lines(obj: Any, indent: int, comments: bool) -> list[str]:
     lines: list[str] = []
     pad = " " * indent
     docs = field_docs(type(obj)) if comments else {}
+    hints = field_types(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
+        if comments and dataclasses.is_dataclass(value):
+            lines.append("")
         if comments and f.name in docs:
             for line in docs[f.name].splitlines():
                 lines.append(f"{pad}# {line}".rstrip())
+        if comments and (allowed := literal_values(hints[f.name])):
+            lines.append(f"{pad}# one of: {', '.join(str(a) for a in allowed)}")
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{f.name}:")
             lines += _yaml_lines(value, indent + 2, comments)

@@ -202,16 +202,13 @@ class PromptsConfig(CommonConfig):
     """Prompts to use: the first N records of ``data``, or N generated ones (None: all of ``data``,
     or the command's own number for a task)."""
     samples_per_prompt: int = 1
-    """Samples per prompt (GRPO's group size)."""
+    """Samples per prompt (GRPO's group size; ``-n`` on the command line)."""
     tools: str | None = None
     """Tool config (YAML or JSON: ``class_name``, ``config``, ``schema``); None: the calculator."""
     reward: str | None = None
     """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (``data/reward_fns.py``);
     None: the graded answer where the record has a ground truth, else the sum of the tools' rewards.
     ``judge`` in it needs ``judge.url``."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -221,10 +218,13 @@ class PromptsConfig(CommonConfig):
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+
+    def check_judge(self, judge: JudgeConfig) -> None:
+        """The reward and the judge agree: a ``judge`` reward has a URL, a URL has a reward using it."""
         uses_judge = self.reward is not None and "judge" in self.reward
-        if uses_judge and not self.judge.url:
+        if uses_judge and not judge.url:
             raise ValueError("the reward uses 'judge', so judge.url must name the judge's OpenAI-compatible URL")
-        if self.judge.url and not uses_judge:
+        if judge.url and not uses_judge:
             raise ValueError("judge.url is set but the reward does not use it: e.g. reward: judge, or 'math+0.5*judge'")
 
 
@@ -236,6 +236,13 @@ class RolloutJobConfig(PromptsConfig):
     """Output JSONL, one trajectory per line, in finishing order."""
     resume: bool = False
     """Keep the trajectories already in ``out`` and run only the missing (prompt, sample) pairs."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_judge(self.judge)
 
 
 @dataclass

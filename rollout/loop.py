@@ -13,10 +13,10 @@ import asyncio
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable
 
 import orjson
 
+from data.reward_fns import RewardFn, final_answer_text
 from data.rewards import score_answer
 from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
@@ -25,10 +25,6 @@ from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool, ToolError, ToolResponse
-
-RewardFn = Callable[[AsyncRolloutRequest], float | Awaitable[float | None] | None]
-"""Final reward of a finished request; may be async (an LLM judge). None / NaN: missing, which only a
-failed judgment may give (``rewards.judge_error`` set); the trainer then leaves the request out."""
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
@@ -103,6 +99,8 @@ async def _converse(
     parser = get_parser(config.tool_parser)
     while True:
         budget = min(config.max_new_tokens, config.max_model_len - len(request.prompt_ids) - len(request.response_ids))
+        if config.max_response_tokens is not None:
+            budget = min(budget, config.max_response_tokens - len(request.response_ids))
         if budget <= 0:
             request.finish(FinishReason.LENGTH)
             return
@@ -232,9 +230,8 @@ async def _score(
             request.metrics.tool_errors += 1
             _note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
     if request.ground_truth is not None:
-        answer = next((m["content"] for m in reversed(request.messages) if m["role"] == "assistant"), "")
         # math-verify's symbolic fallback can take a while: keep it off the event loop
-        request.rewards.answer = await asyncio.to_thread(score_answer, answer, request.ground_truth)
+        request.rewards.answer = await asyncio.to_thread(score_answer, final_answer_text(request), request.ground_truth)
     try:
         result = reward_fn(request)
         if inspect.isawaitable(result):

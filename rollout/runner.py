@@ -10,48 +10,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import math
-import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from data.reward_fns import RewardFn
 from data.schema import Record
+from rollout.config import RolloutConfig
 from rollout.engines.base import Engine
-from rollout.loop import RewardFn, RolloutConfig, default_reward, run_request
+from rollout.loop import default_reward, run_request
+from rollout.output_file import open_output
 from rollout.request import AsyncRolloutRequest
+from rollout.stats import RolloutCounts, pass_at_n
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
 
 
 @dataclass
 class RolloutSummary:
-    """Aggregates of one rollout, as printed and as logged."""
+    """Aggregates of one rollout, as printed and as logged (definitions: ``rollout/stats.py``)."""
 
-    requests: int = 0
+    trajectories: int = 0
     prompts: int = 0
     samples_per_prompt: int = 1
-    mean_reward: float = 0.0  # over the requests whose reward is not missing
-    rewards_missing: int = 0  # requests without a reward (a failed judgment)
-    accuracy: float | None = None  # share of graded requests whose answer is right
-    pass_at_n: float | None = None  # share of graded prompts with at least one right answer
-    mean_turns: float = 0.0
-    mean_tool_calls: float = 0.0
-    tool_errors: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    rewards_missing: int = 0
+    accuracy: float | None = None
+    pass_at_n: float | None = None
+    turns: float = 0.0
+    tool_calls: float = 0.0
+    tool_errors: float = 0.0
+    error_rate: float = 0.0
+    truncated_rate: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
+    consistency_failures: int = 0
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
-    consistency_failures: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -63,35 +67,33 @@ class RolloutSummary:
                 value = f"{value:.4g}"
             elif isinstance(value, dict):
                 value = ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-            table.add_row(key.replace("_", " "), "-" if value is None else str(value))
+            table.add_row(f"rollout/{key}", "-" if value is None else str(value))
         return table
 
 
 def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_prompt: int) -> RolloutSummary:
     """Rewards, accuracy, pass@n, turns, tool calls, finish reasons and throughput of a batch."""
-    count = len(requests) or 1
-    graded = [r for r in requests if r.rewards.answer is not None]
-    by_prompt: dict[int, bool] = {}
-    for r in graded:
-        by_prompt[r.prompt_index] = by_prompt.get(r.prompt_index, False) or r.rewards.answer == 1.0
-    tokens = sum(r.metrics.generated_tokens for r in requests)
-    rewards = [r.rewards.final for r in requests if r.rewards.final is not None and not math.isnan(r.rewards.final)]
+    counts = RolloutCounts.of(requests)
+    metrics = counts.metrics()
     return RolloutSummary(
-        requests=len(requests),
+        trajectories=counts.requests,
         prompts=len({r.prompt_index for r in requests}),
         samples_per_prompt=samples_per_prompt,
-        mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-        rewards_missing=len(requests) - len(rewards),
-        accuracy=sum(r.rewards.answer == 1.0 for r in graded) / len(graded) if graded else None,
-        pass_at_n=sum(by_prompt.values()) / len(by_prompt) if by_prompt else None,
-        mean_turns=sum(r.metrics.turns for r in requests) / count,
-        mean_tool_calls=sum(r.metrics.tool_calls for r in requests) / count,
-        tool_errors=sum(r.metrics.tool_errors for r in requests),
-        finish_reasons=dict(Counter(r.finish_reason.value for r in requests if r.finish_reason)),
-        generated_tokens=tokens,
-        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        reward_mean=0.0 if not counts.rewarded else metrics["reward_mean"],
+        reward_std=0.0 if not counts.rewarded else metrics["reward_std"],
+        rewards_missing=metrics["rewards_missing"],
+        accuracy=metrics["accuracy"],
+        pass_at_n=pass_at_n(requests),
+        turns=metrics["turns"],
+        tool_calls=metrics["tool_calls"],
+        tool_errors=metrics["tool_errors"],
+        error_rate=metrics["error_rate"],
+        truncated_rate=metrics["truncated_rate"],
+        finish_reasons=counts.finish_reasons,
+        generated_tokens=counts.generated_tokens,
+        consistency_failures=counts.consistency_failures,
+        tokens_per_s=counts.generated_tokens / wall_s if wall_s > 0 else 0.0,
         wall_s=wall_s,
-        consistency_failures=sum(r.consistency_diff is not None for r in requests),
     )
 
 
@@ -111,15 +113,15 @@ class RolloutRunner:
         tools: dict[str, BaseTool],
         config: RolloutConfig | None = None,
         *,
-        max_concurrency: int = 64,
+        max_concurrency: int | None = None,
         reward_fn: RewardFn = default_reward,
         progress: bool = True,
         console: Console | None = None,
     ):
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.engine, self.chat, self.tools = engine, chat, tools
         self.config = config or RolloutConfig()
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
         self.reward_fn = reward_fn
         self.progress = progress
@@ -128,34 +130,34 @@ class RolloutRunner:
     async def run(
         self,
         records: list[Record],
-        n: int = 1,
+        samples_per_prompt: int = 1,
         out_path: str | Path | None = None,
         prompt_indices: list[int] | None = None,
         skip: Collection[tuple[int, int]] = (),
         append: bool = False,
     ) -> RolloutResult:
-        """Roll out every record ``n`` times; stream finished trajectories to ``out_path`` (JSONL).
+        """Roll out every record ``samples_per_prompt`` times; stream finished trajectories to ``out_path`` (JSONL).
         ``prompt_indices`` numbers the records (default 0, 1, ...), e.g. by their place in a
         batch split over processes. ``skip`` holds (prompt_index, sample_index) pairs already
         done (a resumed run, see ``read_finished``); ``append`` adds to ``out_path``."""
-        if n < 1:
-            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         indices = list(range(len(records))) if prompt_indices is None else prompt_indices
         if len(indices) != len(records):
             raise ValueError(f"{len(indices)} prompt indices for {len(records)} records")
         run_id = uuid.uuid4().hex[:8]
         skip = set(skip)
-        total = sum((p, s) not in skip for p in indices for s in range(n))
+        total = sum((p, s) not in skip for p in indices for s in range(samples_per_prompt))
         requests = (  # built as they are started, so the first ones leave at once
             request_from_record(record, prompt_index, sample_index, f"{run_id}-{prompt_index}-{sample_index}")
             for prompt_index, record in zip(indices, records, strict=True)
-            for sample_index in range(n)
+            for sample_index in range(samples_per_prompt)
             if (prompt_index, sample_index) not in skip
         )
-        semaphore = asyncio.Semaphore(self.max_concurrency)
+        semaphore = asyncio.Semaphore(self.max_concurrency or self.config.max_concurrency)
         live = _LiveCounts()
         started = time.monotonic()
-        out = _open_output(out_path, append)
+        out = open_output(out_path, append)
         progress = self._progress_bar(total)
 
         async def one(request: AsyncRolloutRequest) -> AsyncRolloutRequest:
@@ -184,7 +186,7 @@ class RolloutRunner:
                 progress.stop()
             if out is not None:
                 out.close()
-        return RolloutResult(list(done), summarize(list(done), time.monotonic() - started, n))
+        return RolloutResult(list(done), summarize(list(done), time.monotonic() - started, samples_per_prompt))
 
     def _progress_bar(self, total: int) -> Progress | None:
         if not self.progress:
@@ -259,40 +261,6 @@ def old_objects_frozen() -> Iterator[None]:
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
-
-
-def _open_output(path: str | Path | None, append: bool = False) -> IO[bytes] | None:
-    if path is None:
-        return None
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("ab" if append else "wb")
-
-
-def read_finished(path: str | Path) -> set[tuple[int, int]]:
-    """The (prompt_index, sample_index) pairs of the trajectories in a rollout JSONL, to resume it.
-
-    Each trajectory is one line written whole, so only a kill in the middle of a write leaves a
-    broken line, and it is the last one, without its newline: it is dropped from the file
-    (rewritten atomically). A broken line anywhere else is an error naming it.
-    """
-    path = Path(path)
-    raw = path.read_bytes()
-    complete = raw[: raw.rfind(b"\n") + 1]
-    finished: set[tuple[int, int]] = set()
-    for number, line in enumerate(complete.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = orjson.loads(line)
-            finished.add((int(record["prompt_index"]), int(record["sample_index"])))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{path} line {number}: not a trajectory, so the run cannot resume from it") from None
-    if len(complete) < len(raw):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(complete)
-        os.replace(tmp, path)
-    return finished
 
 
 def request_from_record(record: Record, prompt_index: int, sample_index: int, request_id: str) -> AsyncRolloutRequest:

@@ -10,7 +10,7 @@ tokens the engine generated. Each contiguous run of 1s is one assistant turn (a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,9 +28,7 @@ class Sample:
     engine_logprobs: list[float]
     advantage: float = 0.0
     group_id: int = 0
-    trajectory_index: int = 0
-    step_index: int = 0
-    meta: dict[str, float] = field(default_factory=dict)
+    """The request's ``prompt_index``: the GRPO group it was sampled in."""
 
 
 def step_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -64,7 +62,7 @@ def _engine_logprobs(request: AsyncRolloutRequest) -> list[float]:
     return [0.0] * len(request.prompt_ids) + [lp if lp is not None else 0.0 for lp in request.logprobs]
 
 
-def trajectory_sample(request: AsyncRolloutRequest, trajectory_index: int, advantage: float) -> Sample:
+def trajectory_sample(request: AsyncRolloutRequest, advantage: float) -> Sample:
     """The whole trajectory as one sample, all of its steps trained."""
     return Sample(
         input_ids=request.prompt_ids + request.response_ids,
@@ -72,11 +70,10 @@ def trajectory_sample(request: AsyncRolloutRequest, trajectory_index: int, advan
         engine_logprobs=_engine_logprobs(request),
         advantage=advantage,
         group_id=request.prompt_index,
-        trajectory_index=trajectory_index,
     )
 
 
-def step_samples(request: AsyncRolloutRequest, trajectory_index: int, advantages: list[float]) -> list[Sample]:
+def step_samples(request: AsyncRolloutRequest, advantages: list[float]) -> list[Sample]:
     """One sample per assistant turn: the conversation up to the end of that turn, only that
     turn's tokens masked in. ``advantages[t]`` goes with turn ``t``."""
     offset = len(request.prompt_ids)
@@ -92,8 +89,6 @@ def step_samples(request: AsyncRolloutRequest, trajectory_index: int, advantages
                 engine_logprobs=logprobs[: offset + end],
                 advantage=advantages[t],
                 group_id=request.prompt_index,
-                trajectory_index=trajectory_index,
-                step_index=t,
             )
         )
     return samples
@@ -115,11 +110,6 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
-
-    @property
-    def num_tokens(self) -> int:
-        """Trained tokens (mask 1) in the batch."""
-        return int(self.loss_mask.sum())
 
 
 def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:

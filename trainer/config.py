@@ -1,133 +1,247 @@
-"""Every GRPO setting in one dataclass; YAML files and CLI overrides map onto its fields."""
+"""The training side of the config tree: ``GRPOConfig`` (``rallyrl train``), ``EvalConfig``
+(``rallyrl eval``) and ``SFTConfig`` (``rallyrl sft``).
+
+Each holds the shared sections (``rollout``, ``engine``, ``judge``) from ``rollout/config.py``, with
+its own preset where the command needs other limits than a plain rollout (the calc task needs
+few, short turns). YAML layout and loading: ``data/config_tree.py``; ``rallyrl config --show``
+prints any command's resolved tree.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from data.config_tree import ConfigError, check_fields, load_tree, to_dict
+from rollout.config import CommonConfig, JudgeConfig, PromptsConfig, RolloutConfig
+from rollout.engines.config import EngineConfig
+
+
+def _calc_rollout(**changes: Any) -> RolloutConfig:
+    """The rollout preset of training and evaluation on the calc task: few, short turns."""
+    return RolloutConfig(**{"max_turns": 3, "max_new_tokens": 96, "max_model_len": 1024, **changes})
 
 
 @dataclass
-class GRPOConfig:
-    """A GRPO run. The defaults train the embedded model on the synthetic calculator task on
-    2 CPU cores in a few minutes."""
+class GRPOConfig(PromptsConfig):
+    """A GRPO run (``rallyrl train``). The defaults train the embedded model on the synthetic
+    calculator task on 2 CPU cores in a few minutes (17.7 % -> 63 % held-out accuracy)."""
 
-    # --- model and data ---
-    model: str | None = None
-    """Hugging Face model directory to start from (default: the embedded tiny-calc model)."""
-    task: str = "calc"
-    """Synthetic task to draw prompts from (ignored when ``data`` is set)."""
-    data: str | None = None
-    """Dataset file (.jsonl, .json or .parquet) instead of a synthetic task."""
-    tools: str | None = None
-    """Tool config (YAML/JSON); default: the calculator."""
-    reward: str | None = None
-    """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (data/reward_fns.py);
-    None: the graded answer, else the tools' rewards."""
     seed: int = 1
-    """Seed of prompts, sampling and initialisation (keep it apart from evaluation seeds)."""
+    """Seed of prompts, sampling and initialisation (keep it apart from evaluation's 12345)."""
+    samples_per_prompt: int = 8
+    """The group size G: samples per prompt, whose rewards are compared with each other."""
     out: str = "runs/grpo"
-    """Output directory: metrics.jsonl, checkpoints/, final/, curves.png."""
+    """Run directory: metrics.jsonl, checkpoints/step-N/ (each a model directory), final/, curves.png."""
 
-    # --- steps and rollout ---
+    # --- steps and groups ---
     steps: int = 40
     """GRPO steps (one rollout and one update each)."""
     prompts_per_step: int = 16
-    """Prompts per step, over all processes (each prompt is one group)."""
-    samples_per_prompt: int = 8
-    """Samples per prompt (the group size)."""
-    max_turns: int = 3
-    max_new_tokens: int = 96
-    max_model_len: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_concurrency: int = 256
-    """Requests in flight during a rollout (per process)."""
-    engine_urls: list[str] = field(default_factory=list)
-    """SGLang (or ``rallyrl serve``) servers to roll out on; empty: the embedded engine in-process."""
+    """Prompts per step, over all processes (each prompt is one group of ``samples_per_prompt``)."""
+    filter_groups: bool = True
+    """Drop groups whose rewards are all equal (no signal; counted as solve_all / solve_none), as
+    DAPO's dynamic sampling does. Missing rewards (a failed judgment) are left out first."""
+    oversample: float = 1.5
+    """With ``filter_groups``: roll out this many times ``prompts_per_step`` prompts and keep the
+    first ``prompts_per_step`` groups with signal (fewer when too many are filtered)."""
 
     # --- advantages ---
     advantage_mode: Literal["trajectory", "broadcast", "per_step"] = "trajectory"
-    """trajectory: one sample per trajectory; broadcast: step samples share it; per_step: MC returns."""
+    """trajectory: one sample per trajectory (GRPO); broadcast: one sample per assistant turn, each
+    with its trajectory's advantage; per_step: each turn gets its discounted Monte-Carlo return of
+    step rewards (tool rewards + final), normalised within the group (``gamma``)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group's std (GRPO), the batch's, or nothing (Dr. GRPO)."""
+    """Divide centred rewards by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO,
+    Liu et al. 2025, which removes the std's difficulty bias)."""
     gamma: float = 1.0
-    """Discount of per-step returns."""
-    filter_groups: bool = True
-    """Drop groups whose rewards are all equal (no signal), counted as solve_all / solve_none."""
-    oversample: float = 1.5
-    """With filter_groups: roll out this many times the prompts, keep prompts_per_step groups."""
+    """Discount of per-step returns (``advantage_mode: per_step`` only)."""
 
-    # --- loss ---
+    # --- the loss ---
     eps_low: float = 0.2
+    """Lower clip of the ratio (PPO's epsilon): the ratio is clipped at 1 - eps_low."""
     eps_high: float = 0.28
+    """Upper clip, 1 + eps_high. Above eps_low is DAPO's clip-higher (Yu et al. 2025): more room for
+    raising unlikely tokens keeps entropy from collapsing."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """token-mean: every trained token weighs the same (DAPO); seq-mean-token-mean: each sequence
+    weighs the same (original GRPO); seq-mean-token-sum-norm: token sums divided by one constant
+    (Dr. GRPO, no length bias; ``loss_constant``). Normalised by global counts across processes."""
     loss_constant: float | None = None
-    """Normaliser of seq-mean-token-sum-norm (Dr. GRPO); default: the longest sequence."""
+    """Normaliser of seq-mean-token-sum-norm (Dr. GRPO); None: the longest sequence of the step."""
     kl_beta: float = 0.0
-    """Weight of the k3 KL to the initial policy; 0 loads no reference model."""
+    """Weight of the k3 KL estimate to the initial policy; 0 loads no reference model (DAPO and
+    Dr. GRPO drop the KL term)."""
     tis_cap: float | None = 2.0
-    """Cap of truncated importance sampling between trainer and engine logprobs (None: off)."""
+    """Truncated importance sampling (Yao et al. 2025): each token's loss is weighted by
+    min(exp(trainer logprob - engine logprob), tis_cap), correcting the gap between the engine
+    that sampled and the trainer (kernels, top-k/top-p cuts, stale weights). None: off."""
 
     # --- optimisation ---
     lr: float = 2e-4
+    """AdamW learning rate (constant after ``warmup_steps``)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 0
+    """Linear warmup steps."""
     max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
     ppo_epochs: int = 1
-    """mu: passes over each step's samples (one optimizer step per pass)."""
+    """mu: passes over each step's samples (one optimizer step per pass); above 1 the ratio and
+    clipping act against the policy before the step's first pass."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients accumulate over a step's micro-batches."""
+    """Sequences per forward/backward; gradients accumulate over a step's micro-batches (the
+    result does not depend on it)."""
 
     # --- bookkeeping ---
     checkpoint_every: int = 10
-    """Save a checkpoint every N steps (and at the end); 0 only at the end."""
+    """Save a checkpoint every N steps (and at the end); 0: only at the end. Each checkpoint is also
+    a model directory that ``eval``, ``rollout`` and ``serve`` take as ``--model``."""
     keep_checkpoints: int = 2
-    device: str = "auto"
-    """Engine device: "auto", "cpu" or "cuda" (the trainer's comes from Accelerate)."""
-    progress: bool = True
-    """Show a progress bar of the steps (main process only)."""
+    """Checkpoints kept (oldest removed first)."""
+
+    # --- sections ---
+    rollout: RolloutConfig = field(default_factory=lambda: _calc_rollout(max_concurrency=256))
+    """Per-request limits and sampling of every step's rollout (``seed`` is set per step)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Where rollouts run: the embedded engine on a copy of the policy (synced in-process after
+    each step), or servers (``urls``) synced through ``/update_weights_from_disk``."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The LLM judge of a ``judge`` reward."""
 
     def __post_init__(self) -> None:
-        positive = ("steps", "prompts_per_step", "samples_per_prompt", "max_turns", "max_new_tokens")
-        for name in (*positive, "max_model_len", "max_concurrency", "ppo_epochs", "micro_batch_size"):
+        super().__post_init__()
+        for name in ("steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0 or self.warmup_steps < 0:
+            raise ValueError("checkpoint_every and warmup_steps must be >= 0")
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
             raise ValueError(f"eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
         if self.oversample < 1:
             raise ValueError(f"oversample must be >= 1, got {self.oversample}")
-        for name, allowed in (
-            ("advantage_mode", ("trajectory", "broadcast", "per_step")),
-            ("advantage_scale", ("group", "batch", "none")),
-            ("loss_aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or null: off), got {self.tis_cap}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.check_judge(self.judge)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_dict(self)
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
-    """A GRPOConfig from a YAML file (every key a field) and then ``overrides`` (None values skipped)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read config: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of GRPOConfig fields")
-        known = {f.name for f in fields(GRPOConfig)}
-        unknown = sorted(set(loaded) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; see trainer/config.py")
-        values.update(loaded)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return GRPOConfig(**values)
+@dataclass
+class EvalConfig(PromptsConfig):
+    """``rallyrl eval``: greedy accuracy and unbiased pass@k, overall and per data_source."""
+
+    seed: int = 12345
+    """Seed of the task's prompts: kept apart from training seeds, so these prompts are held out."""
+    samples_per_prompt: int = 4
+    """Sampled answers per prompt for pass@k (besides the greedy one)."""
+    json: str | None = None
+    """Write the report as JSON here."""
+    report: str | None = None
+    """Write a Markdown report here (overall, per data_source, example failures)."""
+    rollout: RolloutConfig = field(default_factory=_calc_rollout)
+    """Limits and sampling of the sampled answers (the greedy pass sets temperature 0)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_judge(self.judge)
+
+    @property
+    def prompts_wanted(self) -> int | None:
+        """300 held-out prompts of a task; all records of a data file."""
+        return self.num_prompts or (None if self.data else 300)
+
+
+@dataclass
+class SFTConfig(CommonConfig):
+    """An SFT run (``rallyrl sft``); the defaults train a fresh tiny Qwen2 on calc traces (the
+    embedded model's stages are ``trainer.sft.TINY_CALC_RECIPE``)."""
+
+    model: str | None = None
+    """Hugging Face model directory to start from; None builds a fresh tiny Qwen2 (sizes below)."""
+    hidden_size: int = 128
+    """Fresh model only: hidden size."""
+    num_layers: int = 4
+    """Fresh model only: decoder layers."""
+    num_heads: int = 8
+    """Fresh model only: attention heads (8 of size 16 learn to copy operands much sooner than 4)."""
+    num_kv_heads: int = 8
+    """Fresh model only: key/value heads (no grouping: 2 groups slowed copying down)."""
+    intermediate_size: int = 512
+    """Fresh model only: MLP size."""
+    data: str | None = None
+    """JSONL of conversations (dataset records whose prompt holds the whole chat) or of rollout
+    trajectories; None generates ``calc`` traces with ``seed``."""
+    tool_call_share: float = 1.0
+    """Generated traces only: the share that calls the calculator; the rest answer at once (a guess)."""
+    num_examples: int = 20000
+    """Examples to use: generated traces, or the first N of ``data`` (0 = all of ``data``)."""
+    min_reward: float | None = None
+    """Trajectory data only: keep trajectories whose reward is at least this (rejection sampling)."""
+    max_length: int = 2048
+    """Longer examples are cut to this many tokens."""
+    steps: int = 1200
+    """Optimizer steps."""
+    schedule_steps: int | None = None
+    """Length of the learning-rate schedule (default: ``steps``); a longer one stops the run partway."""
+    batch_size: int = 32
+    """Examples per step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 30
+    """Linear warmup steps before the cosine decay to 0."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    eval_every: int = 50
+    """Evaluate and save a checkpoint every this many steps (and after the last step)."""
+    eval_prompts: int = 128
+    """Held-out calc problems rolled out greedily at each evaluation (0 = save checkpoints only)."""
+    eval_seed: int = 1000
+    """Seed of the held-out problems; must differ from ``seed``."""
+    log_every: int = 10
+    """Print and log the training loss every this many steps."""
+    stop_accuracy: float | None = None
+    """Stop at the first evaluation whose held-out accuracy reaches this (None: run every step)."""
+    out: str = "runs/sft"
+    """Output directory: ``step-N/`` checkpoints and ``sft_log.jsonl``."""
+    export: str | None = None
+    """Also copy the last checkpoint here (``data/assets/tiny-calc`` rebuilds the embedded model)."""
+    device: str = "cpu"
+    """"cpu", or "auto" to let Accelerate pick (CUDA when present)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("steps", "batch_size", "eval_every", "log_every", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_examples", "eval_prompts", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SFTConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.data is None and self.num_examples < 1:
+            raise ValueError("SFTConfig.num_examples must be >= 1 when traces are generated (data is None)")
+        if self.eval_seed == self.seed:
+            raise ValueError(f"SFTConfig.eval_seed must differ from the training seed ({self.seed}): it is held out")
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(f"SFTConfig.schedule_steps must be >= steps ({self.steps}), got {self.schedule_steps}")
+        if self.lr <= 0:
+            raise ValueError(f"SFTConfig.lr must be > 0, got {self.lr}")
+        if self.stop_accuracy is not None and (self.eval_prompts == 0 or not 0 < self.stop_accuracy <= 1):
+            raise ValueError("SFTConfig.stop_accuracy must be in (0, 1] and needs eval_prompts > 0")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                sets: list[str] | None = None) -> GRPOConfig:  # fmt: skip
+    """A GRPOConfig from a YAML file, then ``overrides`` (dotted keys; None values skipped), then
+    ``--set`` items."""
+    return load_tree(GRPOConfig, path, overrides, sets)
+
+
+__all__ = ["ConfigError", "EvalConfig", "GRPOConfig", "SFTConfig", "check_fields", "load_config"]

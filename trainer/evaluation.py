@@ -3,7 +3,7 @@ per ``data_source``, with a Markdown report (overall table, per-data_source tabl
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import re
 from collections import defaultdict
 from math import comb
@@ -13,13 +13,18 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from data.files import atomic_write_text
+from data.reward_fns import RewardFn, final_answer_text
 from data.schema import Record
+from rollout.config import RolloutConfig
 from rollout.engines.base import Engine
-from rollout.loop import RolloutConfig
+from rollout.loop import default_reward
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
+from rollout.stats import accuracy
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
+from trainer.config import EvalConfig
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -42,12 +47,6 @@ def _correct_by_prompt(requests: list[AsyncRolloutRequest]) -> dict[int, list[bo
     return by_prompt
 
 
-def _accuracy(requests: list[AsyncRolloutRequest]) -> float | None:
-    """Share of graded requests whose answer is right; None when none is graded."""
-    graded = [r for r in requests if r.rewards.answer is not None]
-    return sum(r.rewards.answer == 1.0 for r in graded) / len(graded) if graded else None
-
-
 def _pass_at_ks(requests: list[AsyncRolloutRequest], ks: list[int]) -> dict[str, float | None]:
     """Mean unbiased pass@k over the graded prompts of ``requests``; None when none is graded."""
     by_prompt = _correct_by_prompt([r for r in requests if r.rewards.answer is not None])
@@ -59,14 +58,13 @@ def _pass_at_ks(requests: list[AsyncRolloutRequest], ks: list[int]) -> dict[str,
 def _failure(request: AsyncRolloutRequest) -> dict[str, Any]:
     """A greedy request graded wrong, as the report shows it: the question and the last answer."""
     users = [m["content"] for m in request.messages if m.get("role") == "user"]
-    answers = [m["content"] for m in request.messages if m.get("role") == "assistant"]
     return {
         "data_source": request.data_source,
         "prompt_index": request.prompt_index,
         "request_id": request.request_id,
         "question": users[-1] if users else "",
         "ground_truth": request.ground_truth,
-        "response": answers[-1] if answers else "",
+        "response": final_answer_text(request),
         "finish_reason": request.finish_reason.value if request.finish_reason else None,
         "error": request.error,
         "turns": request.metrics.turns,
@@ -81,19 +79,20 @@ async def evaluate(
     records: list[Record],
     config: RolloutConfig,
     *,
-    samples: int = 1,
-    max_concurrency: int = 256,
+    samples_per_prompt: int = 1,
     progress: bool = True,
+    reward_fn: RewardFn = default_reward,
 ) -> dict[str, Any]:
-    """Greedy accuracy over ``records``, and unbiased pass@k for k = 1, 2, 4, ..., ``samples``
+    """Greedy accuracy over ``records``, and unbiased pass@k for k = 1, 2, 4, ..., ``samples_per_prompt``
     from that many samples per prompt at ``config.temperature``; the same per ``data_source``
     (``by_data_source``), and up to ``MAX_FAILURES_PER_SOURCE`` greedy failures per source."""
-    greedy = RolloutConfig(**{**config.__dict__, "temperature": 0.0})
-    runner = RolloutRunner(engine, chat, tools, greedy, max_concurrency=max_concurrency, progress=progress)
+    samples = samples_per_prompt
+    greedy = dataclasses.replace(config, temperature=0.0)
+    runner = RolloutRunner(engine, chat, tools, greedy, progress=progress, reward_fn=reward_fn)
     result = await runner.run(records, 1)
     report: dict[str, Any] = {
         "prompts": len(records),
-        "accuracy": _accuracy(result.requests),
+        "accuracy": accuracy(result.requests),
         "greedy": result.summary.to_dict(),
         "pass_at_k": {},
     }
@@ -102,13 +101,13 @@ async def evaluate(
     by_source: dict[str, dict[str, Any]] = {
         source: {
             "prompts": sum(record.data_source == source for record in records),
-            "accuracy": _accuracy(greedy_by_source[source]),
+            "accuracy": accuracy(greedy_by_source[source]),
             "pass_at_k": {},
         }
         for source in sources
     }
     if samples >= 1:
-        runner = RolloutRunner(engine, chat, tools, config, max_concurrency=max_concurrency, progress=progress)
+        runner = RolloutRunner(engine, chat, tools, config, progress=progress, reward_fn=reward_fn)
         sampled = await runner.run(records, samples)
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= samples} | {samples})
         report["pass_at_k"] = {k: v or 0.0 for k, v in _pass_at_ks(sampled.requests, ks).items()}
@@ -215,11 +214,16 @@ def markdown_report(report: dict[str, Any], meta: dict[str, Any] | None = None) 
 
 def write_markdown_report(report: dict[str, Any], path: str | Path, meta: dict[str, Any] | None = None) -> None:
     """Write ``markdown_report`` to ``path`` atomically (a temporary file renamed over it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(markdown_report(report, meta), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, markdown_report(report, meta))
+
+
+async def run_eval(config: EvalConfig, records: list[Record] | None = None) -> dict[str, Any]:
+    """``rallyrl eval``: the prompts, tools, reward and engine of ``config``, then ``evaluate``."""
+    from rollout.api import load_prompts, rollout_session, set_threads
+
+    set_threads(config.threads)
+    records = load_prompts(config, config.prompts_wanted) if records is None else records
+    async with rollout_session(config) as s:
+        return await evaluate(s.engine, s.chat, s.tools, records, config.rollout,
+                              samples_per_prompt=config.samples_per_prompt, progress=config.progress,
+                              reward_fn=s.reward_fn)  # fmt: skip

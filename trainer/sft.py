@@ -4,11 +4,8 @@ Read ``run_sft`` top to bottom: model and tokenizer, examples, optimizer and sch
 loop (batch, masked loss, clip, step, log) with a held-out greedy evaluation through the real
 rollout path (local engine + runner + calculator) and a checkpoint at every ``eval_every`` steps.
 
-A conversation is tokenised the way a rollout builds it, so SFT trains exactly the tokens the
-engine will later generate: the prompt rendered once with the tool schemas, each assistant
-message as its text's tokens plus the turn-close stop token (loss mask 1), and the template
-glue and tool messages by delta rendering (loss mask 0). Rollout trajectories (``rallyrl
-rollout`` JSONL) are used as they are: ``prompt_ids + response_ids`` with their ``loss_mask``.
+Examples are tokenised in the rollout layout (``trainer/sft_data.py``); checkpoints are model
+directories (``trainer/checkpoints.py``).
 
 ``TINY_CALC_RECIPE`` lists the stages that built the embedded model in ``data/assets/tiny-calc``.
 """
@@ -16,13 +13,9 @@ rollout`` JSONL) are used as they are: ``prompt_ids + response_ids`` with their 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import os
-import random
-import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,112 +26,24 @@ from accelerate import Accelerator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
-from transformers.utils import logging as transformers_logging
 
-from data.schema import RecordError, load_records
-from data.synthetic import make_calc_records, make_calc_sft_records, spaced_expression
+from data.synthetic import make_calc_records, spaced_expression
 from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from rollout.engines.local import LocalEngine, LocalEngineConfig
-from rollout.loop import RolloutConfig
-from rollout.request import AsyncRolloutRequest, validate_trajectory
+from rollout.api import resolve_model, set_threads
+from rollout.config import RolloutConfig
+from rollout.engines.config import LocalEngineConfig
+from rollout.engines.local import LocalEngine
+from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
+from rollout.stats import accuracy
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import BaseTool
-from tools.registry import DEFAULT_TOOLS, build_tools
+from trainer.checkpoints import copy_model_dir, quiet_transformers, save_model_dir
+from trainer.config import SFTConfig
+from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
 
-
-@dataclass
-class SFTConfig:
-    """Every setting of an SFT run; the defaults train a fresh tiny Qwen2 on calc traces (the
-    embedded model's stages are ``TINY_CALC_RECIPE``)."""
-
-    model: str | None = None
-    """Hugging Face model directory to start from; None builds a fresh tiny Qwen2 (sizes below)."""
-    hidden_size: int = 128
-    """Fresh model only: hidden size."""
-    num_layers: int = 4
-    """Fresh model only: decoder layers."""
-    num_heads: int = 8
-    """Fresh model only: attention heads (8 of size 16 learn to copy operands much sooner than 4)."""
-    num_kv_heads: int = 8
-    """Fresh model only: key/value heads (no grouping: 2 groups slowed copying down)."""
-    intermediate_size: int = 512
-    """Fresh model only: MLP size."""
-    data: str | None = None
-    """JSONL of conversations (dataset records whose prompt holds the whole chat) or of rollout
-    trajectories; None generates ``calc`` traces with ``seed``."""
-    tool_call_share: float = 1.0
-    """Generated traces only: the share that calls the calculator; the rest answer at once (a guess)."""
-    num_examples: int = 20000
-    """Examples to use: generated traces, or the first N of ``data`` (0 = all of ``data``)."""
-    min_reward: float | None = None
-    """Trajectory data only: keep trajectories whose reward is at least this (rejection sampling)."""
-    max_length: int = 2048
-    """Longer examples are cut to this many tokens."""
-    steps: int = 1200
-    """Optimizer steps."""
-    schedule_steps: int | None = None
-    """Length of the learning-rate schedule (default: ``steps``); a longer one stops the run partway."""
-    batch_size: int = 32
-    """Examples per step."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
-    warmup_steps: int = 30
-    """Linear warmup steps before the cosine decay to 0."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    seed: int = 0
-    """Seed of the model initialisation, the data order and the generated calc traces."""
-    eval_every: int = 50
-    """Evaluate and save a checkpoint every this many steps (and after the last step)."""
-    eval_prompts: int = 128
-    """Held-out calc problems rolled out greedily at each evaluation (0 = save checkpoints only)."""
-    eval_seed: int = 1000
-    """Seed of the held-out problems; must differ from ``seed``."""
-    log_every: int = 10
-    """Print and log the training loss every this many steps."""
-    stop_accuracy: float | None = None
-    """Stop at the first evaluation whose held-out accuracy reaches this (None: run every step)."""
-    out: str = "runs/sft"
-    """Output directory: ``step-N/`` checkpoints and ``sft_log.jsonl``."""
-    export: str | None = None
-    """Also copy the last checkpoint here (``data/assets/tiny-calc`` rebuilds the embedded model)."""
-    device: str = "cpu"
-    """"cpu", or "auto" to let Accelerate pick (CUDA when present)."""
-    torch_threads: int = 0
-    """CPU threads for torch (0 = torch's default); 1 is much faster on a CPU shared with other jobs."""
-    progress: bool = True
-    """Show a progress bar."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "log_every", "max_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_examples", "eval_prompts", "warmup_steps", "torch_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SFTConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.data is None and self.num_examples < 1:
-            raise ValueError("SFTConfig.num_examples must be >= 1 when traces are generated (data is None)")
-        if self.eval_seed == self.seed:
-            raise ValueError(f"SFTConfig.eval_seed must differ from the training seed ({self.seed}): it is held out")
-        if self.schedule_steps is not None and self.schedule_steps < self.steps:
-            raise ValueError(f"SFTConfig.schedule_steps must be >= steps ({self.steps}), got {self.schedule_steps}")
-        if self.lr <= 0:
-            raise ValueError(f"SFTConfig.lr must be > 0, got {self.lr}")
-        if self.stop_accuracy is not None and (self.eval_prompts == 0 or not 0 < self.stop_accuracy <= 1):
-            raise ValueError("SFTConfig.stop_accuracy must be in (0, 1] and needs eval_prompts > 0")
-
-    def tiny_model_config(self) -> TinyModelConfig:
-        return TinyModelConfig(
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            seed=self.seed,
-        )
+__all__ = ["RECIPES", "Batch", "Example", "SFTConfig", "calc_chat", "collate", "load_examples", "run_recipe", "run_sft",
+           "sft_loss", "tokenize_conversation"]  # fmt: skip
 
 
 TINY_CALC_RECIPE: tuple[dict[str, Any], ...] = (
@@ -160,162 +65,6 @@ RECIPES = {"tiny-calc": TINY_CALC_RECIPE}
 
 EVAL_ROLLOUT = RolloutConfig(max_turns=3, max_new_tokens=128, temperature=0.0)
 """How held-out problems are rolled out: greedy, at most 3 turns of 128 tokens (a calc call is 67-76)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Examples: conversations and trajectories -> token ids with a loss mask
-
-
-@dataclass
-class Example:
-    """One training sequence: token ids and a mask that is 1 on the tokens trained on."""
-
-    input_ids: list[int]
-    loss_mask: list[int]
-
-
-def calc_chat(tokenizer: PreTrainedTokenizerBase) -> tuple[ChatTokenizer, dict[str, BaseTool]]:
-    """The chat tokenizer and tools of a default rollout (the calculator), so SFT sees the same prompt."""
-    tools = build_tools(DEFAULT_TOOLS)
-    return ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()]), tools
-
-
-def tokenize_conversation(chat: ChatTokenizer, messages: list[dict[str, Any]]) -> Example:
-    """A conversation in the rollout layout: assistant text + stop token trained, the rest context.
-
-    Messages after the last assistant message are dropped (nothing would be trained on them).
-    """
-    roles = [message["role"] for message in messages]
-    if "assistant" not in roles:
-        raise ValueError("the conversation has no assistant message to train on")
-    first = roles.index("assistant")
-    last = len(roles) - 1 - roles[::-1].index("assistant")
-    ids = chat.prompt_ids(messages[:first])
-    mask = [0] * len(ids)
-    i = first
-    while i <= last:
-        output = [*chat.encode(messages[i]["content"]), chat.turn_close_ids[0]]
-        ids += output
-        mask += [1] * len(output)
-        following = i + 1
-        while following <= last and roles[following] != "assistant":
-            following += 1
-        if following <= last:  # glue, then the tool / user turns, then the next generation prompt
-            context = chat.assistant_close_ids(output)
-            context += chat.delta_ids(messages[i + 1 : following])  # [] -> just the generation prompt
-            ids += context
-            mask += [0] * len(context)
-        i = following
-    return Example(ids, mask)
-
-
-def load_examples(config: SFTConfig, chat: ChatTokenizer) -> list[Example]:
-    """The training examples: generated calc traces, or ``config.data`` (conversations or trajectories)."""
-    if config.data is None:
-        conversations = [
-            record.prompt
-            for record in make_calc_sft_records(
-                config.num_examples, config.seed, tool_call_share=config.tool_call_share
-            )
-        ]
-        examples = [tokenize_conversation(chat, messages) for messages in conversations]
-    elif _is_trajectory_file(Path(config.data)):
-        examples = _trajectory_examples(Path(config.data), config.min_reward)
-    else:
-        records = load_records(config.data)
-        examples = []
-        for record in records:
-            try:
-                examples.append(tokenize_conversation(chat, record.prompt))
-            except ValueError as exc:
-                raise RecordError(str(exc), path=config.data, index=record.index, field="prompt") from None
-    if config.data is not None and config.num_examples:
-        examples = examples[: config.num_examples]
-    examples = [Example(e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
-    examples = [e for e in examples if any(e.loss_mask[1:])]
-    if not examples:
-        raise ValueError(f"{config.data or 'calc traces'}: no example has a token to train on")
-    return examples
-
-
-def _is_trajectory_file(path: Path) -> bool:
-    """A rollout JSONL (its lines carry ``response_ids``) rather than a file of dataset records."""
-    if path.suffix.lower() != ".jsonl" or not path.is_file():
-        return False
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    first = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    return False
-                return isinstance(first, dict) and "response_ids" in first and "loss_mask" in first
-    return False
-
-
-def _trajectory_examples(path: Path, min_reward: float | None) -> list[Example]:
-    examples = []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            trajectory = orjson.loads(line)
-            validate_trajectory(trajectory)
-        except (orjson.JSONDecodeError, ValueError) as exc:
-            raise RecordError(f"not a valid trajectory: {exc}", path=path, line=number) from None
-        if min_reward is not None and (trajectory["reward"] is None or trajectory["reward"] < min_reward):
-            continue
-        prompt = trajectory["prompt_ids"]
-        examples.append(Example(prompt + trajectory["response_ids"], [0] * len(prompt) + trajectory["loss_mask"]))
-    return examples
-
-
-# ---------------------------------------------------------------------------------------------
-# Batches and the loss
-
-
-@dataclass
-class Batch:
-    """Right-padded token ids and loss masks of several examples."""
-
-    input_ids: torch.Tensor
-    """[batch, length], padded on the right."""
-    loss_mask: torch.Tensor
-    """[batch, length], 1 on tokens trained on (0 on padding)."""
-    shared_prefix: int = 0
-    """Leading tokens every row shares and that are not trained on: computed once, not per row."""
-
-    def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.shared_prefix)
-
-
-def collate(examples: list[Example], pad_token_id: int, min_shared_prefix: int = 32) -> Batch:
-    """Pad on the right; find the prefix all rows share (the system prompt, for calc traces)."""
-    length = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    for row, example in enumerate(examples):
-        input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
-        loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
-    shared = shared_prefix_length(examples)
-    return Batch(input_ids, loss_mask, shared if shared >= min_shared_prefix and len(examples) > 1 else 0)
-
-
-def shared_prefix_length(examples: list[Example]) -> int:
-    """Tokens ``0..p-1`` all rows share, with no row trained on any token ``1..p``.
-
-    Logits at positions below ``p`` predict tokens ``1..p``, so a prefix computed apart (with
-    no logits kept) must end before every row's first trained token.
-    """
-    first = examples[0].input_ids
-    limit = min(len(e.input_ids) for e in examples) - 1
-    for e in examples:
-        trained = [i for i, m in enumerate(e.loss_mask) if m]
-        limit = min(limit, (trained[0] if trained else len(e.loss_mask)) - 1)
-    p = 0
-    while p < limit and all(e.input_ids[p] == first[p] for e in examples):
-        p += 1
-    return max(p, 0)
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -341,19 +90,6 @@ def sft_loss(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     else:
         logits = model(input_ids=ids, use_cache=False).logits
     return masked_cross_entropy(logits[:, :-1], ids[:, p + 1 :], batch.loss_mask[:, p + 1 :])
-
-
-def batches(examples: list[Example], batch_size: int, seed: int):
-    """Endless batches: each pass over the examples in a fresh seeded order."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        if len(order) < batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        chosen, order = order[:batch_size], order[batch_size:]
-        yield [examples[i] for i in chosen]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +124,7 @@ def eval_metrics(requests: list[AsyncRolloutRequest]) -> dict[str, Any]:
 
     sample = requests[0].messages if requests else []
     return {
-        "accuracy": sum(r.rewards.answer == 1.0 for r in requests) / count,
+        "accuracy": accuracy(requests) or 0.0,
         "tool_call_rate": sum(bool(r.tool_calls) for r in requests) / count,
         "well_formed_calls": sum(call.error is None for call in calls) / len(calls) if calls else None,
         "exact_calls": sum(exact(r) for r in requests) / count,
@@ -398,50 +134,19 @@ def eval_metrics(requests: list[AsyncRolloutRequest]) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> Path:
-    """Write a Hugging Face model directory (weights, configs, tokenizer) atomically: temp dir, then rename."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for file in tmp.iterdir():  # some files come out of a private temp file (mode 600)
-        file.chmod(0o644)
-    return _replace_dir(tmp, directory)
-
-
-def copy_model_dir(source: str | Path, directory: str | Path) -> Path:
-    """Replace ``directory`` with a copy of the model directory ``source`` (atomically, as a checkpoint is)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    return _replace_dir(tmp, directory)
-
-
-def _replace_dir(tmp: Path, directory: Path) -> Path:
-    """Move the finished ``tmp`` to ``directory``, replacing an older one with two renames."""
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
-    return directory
+def tiny_model_config(config: SFTConfig) -> TinyModelConfig:
+    """The sizes of a fresh tiny Qwen2 (``model: null``)."""
+    return TinyModelConfig(hidden_size=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
+                           num_kv_heads=config.num_kv_heads, intermediate_size=config.intermediate_size,
+                           seed=config.seed)  # fmt: skip
 
 
 def load_model(config: SFTConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The starting model and tokenizer: ``config.model`` from disk, or a fresh tiny Qwen2."""
     if config.model is None:
         tokenizer = build_char_tokenizer()
-        return build_tiny_model(tokenizer, config.tiny_model_config()), tokenizer
-    path = Path(config.model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {path}: not a Hugging Face model directory (no config.json)")
+        return build_tiny_model(tokenizer, tiny_model_config(config)), tokenizer
+    path = resolve_model(config.model)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, load_tokenizer(path)
 
@@ -454,8 +159,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     """Train, evaluating and checkpointing every ``eval_every`` steps; returns the evaluation history."""
     console = console or Console(stderr=True)
     started = time.monotonic()
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
+    set_threads(config.threads)
     torch.manual_seed(config.seed)
     accelerator = Accelerator(cpu=config.device == "cpu")
     out = Path(config.out)
@@ -518,12 +222,12 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
 
             # checkpoint and held-out greedy evaluation
             if step % config.eval_every == 0 or step == config.steps:
-                with _no_transformers_progress_bars():
-                    checkpoint = save_checkpoint(accelerator.unwrap_model(model), tokenizer, out / f"step-{step}")
+                with quiet_transformers():
+                    checkpoint = save_model_dir(accelerator.unwrap_model(model), tokenizer, out / f"step-{step}")
                 entry = {"kind": "eval", "step": step, "checkpoint": str(checkpoint)}
                 if config.eval_prompts:
                     device = "cpu" if config.device == "cpu" else str(accelerator.device)
-                    with _no_transformers_progress_bars():
+                    with quiet_transformers():
                         metrics = asyncio.run(
                             evaluate_greedy(checkpoint, chat, tools, config.eval_prompts, config.eval_seed, device)
                         )
@@ -575,18 +279,6 @@ def run_recipe(
     if export is not None and model is not None:
         console.print(f"exported {model} to {copy_model_dir(model, export)}")
     return history
-
-
-@contextlib.contextmanager
-def _no_transformers_progress_bars():
-    """Keep transformers' per-file save/load bars out of the SFT progress display."""
-    enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            transformers_logging.enable_progress_bar()
 
 
 def _progress_bar(console: Console) -> Progress:

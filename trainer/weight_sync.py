@@ -9,7 +9,6 @@ continues. The servers must see the trainer's filesystem at that path.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from rollout.engines.base import Engine
+from data.files import atomic_directory
+from rollout.engines.base import Engine, LoadsWeightsFromDisk
 
 KEEP_WEIGHT_DIRS = 2
 """Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
@@ -25,25 +25,23 @@ KEEP_WEIGHT_DIRS = 2
 
 def loads_from_disk(engine: Engine) -> bool:
     """True for engines that are servers (they load saved weights, not tensors)."""
-    return hasattr(engine, "sync_weights_from_disk")
+    return isinstance(engine, LoadsWeightsFromDisk)
 
 
 def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> Path:
     """Save ``model`` (safetensors, config, tokenizer) as ``weights_dir/v{version:06d}``, atomically;
     older versions beyond ``KEEP_WEIGHT_DIRS`` are removed."""
-    weights_dir.mkdir(parents=True, exist_ok=True)
-    final = weights_dir / f"v{version:06d}"
-    partial = weights_dir / f"v{version:06d}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    hf_logging.disable_progress_bar()  # one save per step: no "Writing model shards" bar each time
-    try:
-        model.save_pretrained(partial, safe_serialization=True)
-    finally:
-        hf_logging.enable_progress_bar()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(partial)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
+
+    def write(partial: Path) -> None:
+        hf_logging.disable_progress_bar()  # one save per step: no "Writing model shards" bar each time
+        try:
+            model.save_pretrained(partial, safe_serialization=True)
+        finally:
+            hf_logging.enable_progress_bar()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+
+    final = atomic_directory(weights_dir / f"v{version:06d}", write)
     saved = sorted(p for p in weights_dir.glob("v*") if not p.name.endswith(".partial"))
     for old in saved[:-KEEP_WEIGHT_DIRS]:
         shutil.rmtree(old, ignore_errors=True)
@@ -52,7 +50,7 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, vers
 
 async def sync_weights(engine: Engine, model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> int:
     """Give ``engine`` the weights of ``model`` as ``version``; returns the version it reports."""
-    if loads_from_disk(engine):
+    if isinstance(engine, LoadsWeightsFromDisk):
         path = save_weights(model, tokenizer, weights_dir, version)
-        return await engine.sync_weights_from_disk(str(path.resolve()), version)  # type: ignore[attr-defined]
+        return await engine.sync_weights_from_disk(str(path.resolve()), version)
     return await engine.update_weights(model.state_dict(), weight_version=version)

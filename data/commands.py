@@ -1,0 +1,81 @@
+"""``rallyrl data gsm8k|math`` (official files -> records) and ``rallyrl new-model``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from data.console import console
+from data.console import fail as _fail
+
+data_app = typer.Typer(help="Prepare datasets: official GSM8K and MATH files -> rallyrl records.",
+                       no_args_is_help=True)  # fmt: skip
+_DATA_INPUT_HELP = "Source file (.jsonl, .json or .parquet) or a directory of .json/.jsonl files."
+_DATA_OUTPUT_HELP = "Records file to write (.jsonl, .json or .parquet), atomically."
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    input_path: Path = typer.Option(..., "--input", "-i", help=_DATA_INPUT_HELP),
+    output: Path = typer.Option(..., "--output", "-o", help=_DATA_OUTPUT_HELP),
+    split: str = typer.Option(None, help="Split name for extra.split (default: from the path, else train)."),
+    limit: int = typer.Option(None, help="Convert only the first N rows."),
+    layout: str = typer.Option("native", help='"native" (rallyrl) or "verl" (reward_model, extra_info).'),
+) -> None:
+    """Official GSM8K (question, answer ending in '#### N') -> records with the answer_check tool's kwargs."""
+    from data.gsm8k import prepare_gsm8k
+    from data.schema import RecordError
+
+    try:
+        result = prepare_gsm8k(input_path, output, split=split, limit=limit, layout=layout)
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(result.summary(), highlight=False)
+
+
+@data_app.command("math")
+def data_math(
+    input_path: Path = typer.Option(..., "--input", "-i", help=_DATA_INPUT_HELP),
+    output: Path = typer.Option(..., "--output", "-o", help=_DATA_OUTPUT_HELP),
+    split: str = typer.Option(None, help="Split name for extra.split (default: from the path, else train)."),
+    limit: int = typer.Option(None, help="Convert only the first N rows."),
+    strict: bool = typer.Option(False, help="A row without a \\boxed{} answer is an error instead of skipped."),
+    data_source: str = typer.Option(None, help="data_source of all records (default: the row's, else hendrycks/math)."),
+    layout: str = typer.Option("native", help='"native" (rallyrl) or "verl" (reward_model, extra_info).'),
+) -> None:
+    """MATH (problem, solution with \\boxed{answer}) -> records; the last box is the ground truth."""
+    from data.math_data import prepare_math
+    from data.schema import RecordError
+
+    try:
+        result = prepare_math(input_path, output, split=split, limit=limit, strict=strict, data_source=data_source,
+                              layout=layout)  # fmt: skip
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(result.summary(), highlight=False)
+
+
+
+def new_model(
+    directory: Path = typer.Argument(..., help="Where to write the model and tokenizer."),
+    hidden_size: int = typer.Option(128, help="Hidden size."),
+    layers: int = typer.Option(4, help="Decoder layers."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    kv_heads: int = typer.Option(2, help="Key/value heads."),
+    intermediate_size: int = typer.Option(384, help="MLP size."),
+    seed: int = typer.Option(0, help="Initialisation seed."),
+) -> None:
+    """Write a randomly initialised tiny Qwen2 model with the character tokenizer (no download)."""
+    from data.tiny_model import TinyModelConfig, save_tiny_model
+
+    config = TinyModelConfig(
+        hidden_size=hidden_size,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        seed=seed,
+    )
+    path = save_tiny_model(directory, config)
+    console.print(f"wrote a random tiny Qwen2 model to {path}")

@@ -1,0 +1,211 @@
+"""The typed Python entry point of ``rallyrl rollout``, and the setup pieces that it, the trainer,
+the evaluator and SFT share (one place for each).
+
+```python
+from rollout.api import rollout
+from rollout.config import RolloutJobConfig
+
+result = asyncio.run(rollout(RolloutJobConfig(num_prompts=8, samples_per_prompt=4)))
+print(result.summary.accuracy)
+```
+
+The CLI parses flags into the same config trees and calls these functions; nothing here prints
+except progress bars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from data.reward_fns import RewardFn
+from data.schema import Record
+from rollout.config import JudgeConfig, PromptsConfig, RolloutConfig, RolloutJobConfig
+from rollout.engines.base import Engine
+from rollout.engines.config import EngineConfig
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from rollout.judge import Judge
+    from rollout.runner import RolloutResult
+    from rollout.tokens import ChatTokenizer
+    from tools.base import BaseTool
+
+
+class SetupError(ValueError):
+    """A setting that names something unusable (a model directory, a task, a data file)."""
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """The model directory to use: ``model``, or the embedded model. Any directory with a
+    ``config.json`` is one, training checkpoints (``out/checkpoints/step-N``) and ``out/final`` included."""
+    if model is None:
+        from data.tiny_model import EMBEDDED_MODEL
+
+        if (EMBEDDED_MODEL / "config.json").is_file():
+            return EMBEDDED_MODEL
+        raise SetupError(
+            f"no embedded model at {EMBEDDED_MODEL} (`rallyrl sft --recipe tiny-calc --export {EMBEDDED_MODEL}` "
+            "rebuilds it); or give a model directory (a local Hugging Face causal-LM directory)"
+        )
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path
+    if (path / "metrics.jsonl").is_file() or (path / "checkpoints").is_dir():
+        raise SetupError(f"model {path}: a training run directory; give its final/ or checkpoints/step-N/")
+    if not path.exists():
+        raise SetupError(f"model {path}: no such directory")
+    raise SetupError(f"model {path}: not a Hugging Face model directory (no config.json)")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch intra-op threads, when the config sets them."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def load_prompts(config: PromptsConfig, default_count: int = 64) -> list[Record]:
+    """The records of ``config.data`` (the first ``num_prompts``), or generated task prompts."""
+    from data.schema import load_records
+    from data.synthetic import make_task
+
+    if config.data is not None:
+        records = load_records(config.data)
+        if not records:
+            raise SetupError(f"{config.data}: no records")
+        return records[: config.num_prompts] if config.num_prompts else records
+    try:
+        return make_task(config.task or "calc", config.num_prompts or default_count, config.seed)
+    except ValueError as exc:  # an unknown task name
+        raise SetupError(f"task: {exc}") from None
+
+
+def setup_tools(tools_path: str | Path | None, tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
+    """The tools of a tool config (default: the calculator) and the chat tokenizer that renders
+    their schemas into every prompt."""
+    from rollout.tokens import ChatTokenizer
+    from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
+
+    tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+    return tools, ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
+
+
+def make_judge(config: JudgeConfig) -> Judge | None:
+    """The judge of ``config.url`` (enter it with ``async with``), or None without a URL."""
+    if not config.url:
+        return None
+    from rollout.judge import Judge
+
+    return Judge(config.url, config)
+
+
+def make_reward(spec: str | None, judge: Judge | None = None) -> RewardFn:
+    """The reward of a spec (``data/reward_fns.py``) with the judge's reward as ``judge``; the
+    default (graded answer, else the tools' rewards) without a spec."""
+    from data.reward_fns import reward_for_records
+    from rollout.loop import default_reward
+
+    if spec is None:
+        return default_reward
+    try:
+        return reward_for_records(spec, {"judge": judge.reward} if judge is not None else None)
+    except (KeyError, ValueError) as exc:
+        raise SetupError(f"reward: {exc}") from None
+
+
+def open_engine(config: EngineConfig, model_dir: Path, *, max_model_len: int | None = None, seed: int = 0,
+                model: Any = None) -> Any:  # fmt: skip
+    """The engine of ``config``, not yet entered (``async with`` it): servers, in-process SGLang or
+    the embedded engine (on ``model`` when given, a module already loaded, else ``model_dir``)."""
+    import dataclasses
+
+    if config.urls:
+        from rollout.engines.pool import EnginePool
+        from rollout.engines.sglang_http import SGLangHTTPEngine
+
+        if len(config.urls) == 1:
+            return SGLangHTTPEngine(config.urls[0], config.http)
+        return EnginePool(config.urls, config.pool)
+    if config.kind == "sglang":
+        from rollout.engines.sglang_engine import SGLangEngine
+
+        sglang = config.sglang
+        if not sglang.model_path:
+            sglang = dataclasses.replace(sglang, model_path=str(model_dir))
+        return SGLangEngine.from_config(sglang)
+    from rollout.engines.local import LocalEngine
+
+    local = config.local
+    if local.max_model_len is None and max_model_len is not None:
+        local = dataclasses.replace(local, max_model_len=max_model_len)
+    if local.seed is None:
+        local = dataclasses.replace(local, seed=seed)
+    if model is not None:
+        return LocalEngine(model, local)
+    return LocalEngine.from_pretrained(model_dir, local)
+
+
+class RolloutCommand(Protocol):
+    """A command config that rolls out: ``RolloutJobConfig``, ``EvalConfig``, ``GRPOConfig``."""
+
+    model: str | None
+    tools: str | None
+    reward: str | None
+    seed: int
+    rollout: RolloutConfig
+    engine: EngineConfig
+    judge: JudgeConfig
+
+
+@dataclass
+class Session:
+    """What a rollout needs, opened together by ``rollout_session``."""
+
+    engine: Engine
+    chat: ChatTokenizer
+    tools: dict[str, BaseTool]
+    reward_fn: RewardFn
+
+
+@contextlib.asynccontextmanager
+async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
+    """Model directory, tokenizer, tools, judge, reward and engine of one command, opened and
+    closed together."""
+    from rollout.tokens import load_tokenizer
+
+    model_dir = resolve_model(config.model)
+    tools, chat = setup_tools(config.tools, load_tokenizer(model_dir))
+    judge = make_judge(config.judge)
+    reward_fn = make_reward(config.reward, judge)
+    async with contextlib.AsyncExitStack() as stack:
+        if judge is not None:
+            await stack.enter_async_context(judge)
+        engine = open_engine(config.engine, model_dir, max_model_len=config.rollout.max_model_len, seed=config.seed)
+        engine = await stack.enter_async_context(engine)
+        yield Session(engine, chat, tools, reward_fn)
+
+
+async def rollout(
+    config: RolloutJobConfig,
+    records: list[Record] | None = None,
+    *,
+    skip: Collection[tuple[int, int]] = (),
+    console: Console | None = None,
+) -> RolloutResult:
+    """``rallyrl rollout``: every record ``samples_per_prompt`` times through the engine, each
+    trajectory written to ``config.out`` as it finishes. ``skip`` holds (prompt, sample) pairs
+    already in ``out`` (``--resume``); they are not run again and ``out`` is appended to."""
+    from rollout.runner import RolloutRunner
+
+    set_threads(config.threads)
+    records = load_prompts(config) if records is None else records
+    async with rollout_session(config) as s:
+        runner = RolloutRunner(s.engine, s.chat, s.tools, config.rollout, reward_fn=s.reward_fn,
+                               progress=config.progress, console=console)  # fmt: skip
+        return await runner.run(records, config.samples_per_prompt, config.out, skip=skip, append=bool(skip))

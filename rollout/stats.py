@@ -1,0 +1,134 @@
+"""One definition of every rollout statistic, for every summary: ``rallyrl rollout``'s table,
+training metrics, ``rallyrl eval`` and SFT's held-out evaluation.
+
+``RolloutCounts`` holds sums only, so the counts of several processes add up (the trainer sums
+them across ranks) before the means are taken. Definitions:
+
+- **accuracy**: right answers / graded requests (a request is graded when its record has a ground
+  truth); None when nothing is graded.
+- **reward_mean / reward_std**: over the requests whose reward is not missing (a failed judgment).
+- **pass_at_n**: graded prompts with at least one right sample / graded prompts.
+- **staleness**: the policy version minus the weight version that produced each generated token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+
+from rollout.request import AsyncRolloutRequest
+
+
+def is_correct(request: AsyncRolloutRequest) -> bool:
+    return request.rewards.answer == 1.0
+
+
+def has_reward(request: AsyncRolloutRequest) -> bool:
+    final = request.rewards.final
+    return final is not None and not math.isnan(final)
+
+
+def accuracy(requests: list[AsyncRolloutRequest]) -> float | None:
+    """Right answers / graded requests; None when none is graded."""
+    graded = [r for r in requests if r.rewards.answer is not None]
+    return sum(is_correct(r) for r in graded) / len(graded) if graded else None
+
+
+def pass_at_n(requests: list[AsyncRolloutRequest]) -> float | None:
+    """Graded prompts with at least one right sample / graded prompts; None when none is graded."""
+    by_prompt: dict[int, bool] = {}
+    for r in requests:
+        if r.rewards.answer is not None:
+            by_prompt[r.prompt_index] = by_prompt.get(r.prompt_index, False) or is_correct(r)
+    return sum(by_prompt.values()) / len(by_prompt) if by_prompt else None
+
+
+@dataclass
+class RolloutCounts:
+    """Sums over a batch of finished requests (add several with ``+``)."""
+
+    requests: int = 0
+    rewarded: int = 0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    graded: int = 0
+    correct: int = 0
+    generated_tokens: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    errors: int = 0
+    truncated: int = 0
+    consistency_failures: int = 0
+    stale_sum: int = 0
+    stale_tokens: int = 0
+    stale_max: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, requests: list[AsyncRolloutRequest], policy_version: int | None = None) -> RolloutCounts:
+        """The counts of ``requests``; staleness only when ``policy_version`` is given."""
+        rewards = [r.rewards.final for r in requests if has_reward(r)]
+        gaps = []
+        if policy_version is not None:
+            gaps = [policy_version - v for r in requests for v in r.weight_versions if v is not None]
+        reasons = Counter(r.finish_reason.value for r in requests if r.finish_reason is not None)
+        return cls(
+            requests=len(requests),
+            rewarded=len(rewards),
+            reward_sum=float(sum(rewards)),
+            reward_sq_sum=float(sum(x * x for x in rewards)),
+            graded=sum(r.rewards.answer is not None for r in requests),
+            correct=sum(is_correct(r) for r in requests),
+            generated_tokens=sum(r.metrics.generated_tokens for r in requests),
+            turns=sum(r.metrics.turns for r in requests),
+            tool_calls=sum(r.metrics.tool_calls for r in requests),
+            tool_errors=sum(r.metrics.tool_errors for r in requests),
+            errors=reasons.get("error", 0),
+            truncated=reasons.get("length", 0),
+            consistency_failures=sum(r.consistency_diff is not None for r in requests),
+            stale_sum=sum(gaps),
+            stale_tokens=len(gaps),
+            stale_max=max(gaps, default=0),
+            finish_reasons=dict(reasons),
+        )
+
+    def sums(self) -> dict[str, float]:
+        """The additive fields (for a sum across processes); ``stale_max`` and ``finish_reasons`` are not."""
+        skip = ("stale_max", "finish_reasons")
+        return {f.name: float(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
+
+    def with_sums(self, sums: dict[str, float], stale_max: int | None = None) -> RolloutCounts:
+        """These counts with the additive fields replaced by ``sums`` (summed across processes)."""
+        values = asdict(self)
+        for name, value in sums.items():
+            values[name] = int(value) if isinstance(values[name], int) else float(value)
+        if stale_max is not None:
+            values["stale_max"] = stale_max
+        return RolloutCounts(**values)
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """The means, under the names every summary uses (training prefixes them with ``rollout/``)."""
+        n = max(self.requests, 1)
+        mean = std = 0.0 if not self.requests else math.nan
+        if self.rewarded:
+            mean = self.reward_sum / self.rewarded
+            std = math.sqrt(max(self.reward_sq_sum / self.rewarded - mean**2, 0.0))
+        return {
+            "trajectories": self.requests,
+            "reward_mean": mean,
+            "reward_std": std,
+            "rewards_missing": self.requests - self.rewarded,
+            "accuracy": self.correct / self.graded if self.graded else None,
+            "response_length": self.generated_tokens / n,
+            "turns": self.turns / n,
+            "tool_calls": self.tool_calls / n,
+            "tool_errors": self.tool_errors / n,
+            "error_rate": self.errors / n,
+            "truncated_rate": self.truncated / n,
+            "generated_tokens": self.generated_tokens,
+            "consistency_failures": self.consistency_failures,
+            "staleness_mean": self.stale_sum / self.stale_tokens if self.stale_tokens else 0.0,
+            "staleness_max": self.stale_max,
+        }

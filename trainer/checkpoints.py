@@ -1,0 +1,101 @@
+"""Model directories and training checkpoints, written so that a kill never leaves half of one.
+
+Shared by GRPO and SFT. A training checkpoint (``out/checkpoints/step-N``) holds Accelerate's
+state (model, optimizer, scheduler, RNG), the trainer's own state, and the model's config and
+tokenizer files, so that it is also a model directory ``rallyrl eval/rollout/serve --model`` take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from transformers.utils import logging as transformers_logging
+
+from data.files import atomic_directory
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Keep transformers' per-file save/load bars out of our own progress display."""
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def _readable(directory: Path) -> None:
+    for file in directory.iterdir():  # some files come out of a private temp file (mode 600)
+        if file.is_file():
+            file.chmod(0o644)
+
+
+def save_model_dir(model: Any, tokenizer: Any, directory: str | Path) -> Path:
+    """A Hugging Face model directory (safetensors weights, configs, tokenizer), atomically."""
+
+    def write(partial: Path) -> None:
+        with quiet_transformers():
+            model.save_pretrained(partial, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial)
+        _readable(partial)
+
+    return atomic_directory(directory, write)
+
+
+def copy_model_dir(source: str | Path, directory: str | Path) -> Path:
+    """Replace ``directory`` with a copy of the model directory ``source``, atomically."""
+    return atomic_directory(directory, lambda partial: shutil.copytree(source, partial, dirs_exist_ok=True))
+
+
+def save_training_checkpoint(accelerator: Any, model: Any, tokenizer: Any, directory: Path,
+                             trainer_state: dict[str, Any]) -> Path:  # fmt: skip
+    """Accelerate's state of every process plus ``trainer_state.json``, the model config and the
+    tokenizer (so the checkpoint loads as a model), renamed into place by the main process."""
+    partial = directory.with_name(directory.name + ".partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / "trainer_state.json").write_text(json.dumps(trainer_state))
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.config.save_pretrained(partial)
+        if getattr(unwrapped, "generation_config", None) is not None:
+            unwrapped.generation_config.save_pretrained(partial)
+        with quiet_transformers():
+            tokenizer.save_pretrained(partial)
+        _readable(partial)
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.replace(directory)
+    accelerator.wait_for_everyone()
+    return directory
+
+
+def complete_checkpoints(parent: Path) -> list[Path]:
+    """``parent/step-*`` directories that were renamed into place, oldest first."""
+    return sorted(p for p in parent.glob("step-*") if not p.name.endswith(".partial"))
+
+
+def prune_checkpoints(parent: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints under ``parent``."""
+    for old in complete_checkpoints(parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_training_checkpoint(accelerator: Any, parent: Path) -> tuple[Path, dict[str, Any]]:
+    """Restore the newest complete checkpoint under ``parent``; returns it and its trainer state."""
+    found = complete_checkpoints(parent)
+    if not found:
+        raise ValueError(f"--resume: no checkpoint under {parent}")
+    last = found[-1]
+    accelerator.load_state(str(last))
+    return last, json.loads((last / "trainer_state.json").read_text())

@@ -1,0 +1,141 @@
+"""The metrics of a run: ``metrics.jsonl`` (one line per step, appended as it ends), the console
+line, and the curves PNG. Shared by GRPO and SFT.
+
+Metric names carry their family: ``rollout/`` (what the rollouts did: reward, accuracy, lengths,
+tool calls, staleness), ``train/`` (the update: loss, KL, clipping, entropy, gradient norm, lr)
+and ``time/`` (wall and CPU seconds per phase, throughput); ``step`` stands alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from data.files import atomic_write_bytes, atomic_write_with
+
+
+def append_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    """One line, flushed: a kill loses at most the line being written."""
+    with path.open("ab") as f:
+        f.write(orjson.dumps(metrics, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a metrics file; a last line cut short by a kill is left out."""
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    return [orjson.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def keep_metrics_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """Drop the lines of steps after ``step`` (a resumed run does them again); returns the rest."""
+    if not path.exists():
+        return []
+    history = [m for m in read_metrics(path) if m["step"] <= step]
+    atomic_write_bytes(path, b"".join(orjson.dumps(m) + b"\n" for m in history))
+    return history
+
+
+def _value(metrics: dict[str, Any], key: str) -> float:
+    value = metrics.get(key)
+    return math.nan if value is None else float(value)
+
+
+CONSOLE_FIELDS = (
+    ("rollout/reward_mean", "reward {:.3f}"),
+    ("rollout/reward_std", "±{:.3f}"),
+    ("rollout/accuracy", "  acc {:.3f}"),
+    ("rollout/solve_all", "  solve_all {:.0f}"),
+    ("rollout/solve_none", " none {:.0f}"),
+    ("rollout/response_length", "  len {:.0f}"),
+    ("rollout/turns", "  turns {:.2f}"),
+    ("rollout/tool_calls", "  tools {:.2f}"),
+    ("train/kl", "  kl {:.4f}"),
+    ("train/clip_fraction", "  clip {:.3f}"),
+    ("train/entropy", "  ent {:.3f}"),
+    ("train/grad_norm", "  gnorm {:.3f}"),
+    ("train/lr", "  lr {:.2e}"),
+    ("time/rollout_s", "  rollout {:.1f}s"),
+    ("time/update_s", " update {:.1f}s"),
+    ("time/sync_s", " sync {:.2f}s"),
+    ("rollout/staleness_mean", "  stale {:.2f}"),
+    ("time/update_tokens_per_s", "  {:.0f} train tok/s"),
+)
+"""What the console line of a GRPO step shows, in order."""
+
+
+def console_line(metrics: dict[str, Any]) -> str:
+    return f"step {metrics['step']:>3}  " + "".join(fmt.format(_value(metrics, k)) for k, fmt in CONSOLE_FIELDS)
+
+
+CURVES = (
+    ("rollout/reward_mean", "rollout/reward_mean"),
+    ("rollout/accuracy", "rollout/accuracy"),
+    ("rollout/tool_calls", "rollout/tool_calls (per trajectory)"),
+    ("train/entropy", "train/entropy"),
+)
+
+
+def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
+    """Reward, accuracy, tool calls and entropy per step, one PNG (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.6))
+    for axis, (key, title) in zip(axes, CURVES, strict=True):
+        values = np.array([_value(m, key) for m in history], dtype=float)
+        axis.plot(steps, values, marker="o", markersize=3, label="per step")
+        if len(values) >= 5:
+            axis.plot(steps[4:], np.convolve(values, np.ones(5) / 5, mode="valid"), label="5-step mean")
+        axis.set_xlabel("GRPO step")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    plt.close(fig)
+
+
+class PhaseTimer:
+    """Wall and CPU seconds (this process: every thread, the engine's included) of named phases."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        wall, cpu = time.monotonic(), time.process_time()
+        try:
+            yield
+        finally:
+            self.wall[phase] = self.wall.get(phase, 0.0) + time.monotonic() - wall
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - cpu
+
+    def seconds(self) -> dict[str, float]:
+        return {**{f"{k}_s": v for k, v in self.wall.items()}, **{f"{k}_cpu_s": v for k, v in self.cpu.items()}}
+
+
+def step_progress(console: Console, enabled: bool) -> Progress:
+    """Steps done, reward and accuracy of the last step, time left."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+    )
