@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from rollout.config import RolloutConfig
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer
 
@@ -21,9 +22,9 @@ def by_sample(request) -> float:
 
 def main(model_dir: str, out_dir: str, result: str) -> None:
     config = GRPOConfig(
-        model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2, max_turns=1,
-        max_new_tokens=8, max_model_len=768, temperature=1.0, micro_batch_size=3, lr=1e-2, seed=5,
-        filter_groups=False, checkpoint_every=0, tis_cap=None,
+        model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2,
+        rollout=RolloutConfig(max_turns=1, max_new_tokens=8, max_model_len=768, temperature=1.0),
+        micro_batch_size=3, lr=1e-2, seed=5, filter_groups=False, checkpoint_every=0, tis_cap=None,
     )  # fmt: skip
     trainer = GRPOTrainer(config, reward_fn=by_sample)
     grads: dict[str, torch.Tensor] = {}

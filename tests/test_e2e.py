@@ -22,7 +22,7 @@ async def test_tiny_model_rollout_keeps_tokens_masks_and_logprobs_exact(tiny_mod
     config = RolloutConfig(max_new_tokens=24, max_turns=3)
     async with LocalEngine.from_pretrained(tiny_model_dir) as engine:
         runner = RolloutRunner(engine, chat, tools, config, max_concurrency=8, progress=False)
-        result = await runner.run(make_calc_records(6, seed=1), n=2, out_path=tmp_path / "out.jsonl")
+        result = await runner.run(make_calc_records(6, seed=1), samples_per_prompt=2, out_path=tmp_path / "out.jsonl")
         model = engine.model
 
     assert len(result.requests) == 12
@@ -73,9 +73,9 @@ def test_cli_bad_dataset_record_exits_2_naming_file_line_and_field(tmp_path, tin
     ("args", "message"),
     [
         (["--task", "nope"], "unknown synthetic task 'nope'"),
-        (["--model", "/nonexistent"], "not a Hugging Face model directory"),
+        (["--model", "/nonexistent"], "model /nonexistent: no such directory"),
         (["--tools", "/nonexistent/tools.yaml"], "cannot read tool config"),
-        (["--task", "calc", "--data", "x.jsonl"], "give --task or --data, not both"),
+        (["--task", "calc", "--data", "x.jsonl"], "give task or data, not both"),
     ],
 )
 def test_cli_bad_options_exit_2_with_a_message(tmp_path, tiny_model_dir, args, message):

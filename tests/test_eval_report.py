@@ -33,7 +33,7 @@ async def _evaluate(tokenizer, records: list[Record], right, samples: int = 2) -
         return f"\\boxed{{{prompt_index if right(prompt_index, sample) else -1}}}"
 
     engine = ScriptedEngine(chat, script)
-    return await evaluate(engine, chat, tools, records, RolloutConfig(), samples=samples, progress=False)
+    return await evaluate(engine, chat, tools, records, RolloutConfig(), samples_per_prompt=samples, progress=False)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import orjson
 import pytest
 import torch
 
+from rollout.config import RolloutConfig
 from rollout.request import AsyncRolloutRequest
 from trainer.batch import collate, trajectory_sample
 from trainer.config import GRPOConfig, load_config
@@ -24,8 +25,8 @@ def digit_share(request: AsyncRolloutRequest) -> float:
 def config(tmp_path, model_dir, **overrides) -> GRPOConfig:
     values = dict(
         model=str(model_dir), out=str(tmp_path / "run"), steps=3, prompts_per_step=2, samples_per_prompt=4,
-        max_turns=2, max_new_tokens=12, max_model_len=768, micro_batch_size=4, lr=1e-3, seed=3,
-        checkpoint_every=1, filter_groups=False, progress=False,
+        rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_model_len=768, max_concurrency=256),
+        micro_batch_size=4, lr=1e-3, seed=3, checkpoint_every=1, filter_groups=False, progress=False,
     )  # fmt: skip
     values.update(overrides)
     return GRPOConfig(**values)
@@ -41,24 +42,29 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
     history = run(trainer)
     assert [m["step"] for m in history] == [1, 2, 3]
     for key in (
-        "reward_mean",
-        "reward_std",
-        "accuracy",
-        "kl",
-        "clip_fraction",
-        "entropy",
-        "grad_norm",
-        "lr",
-        "rollout_s",
-        "train_s",
-        "sync_s",
-        "train_tokens_per_s",
-        "solve_all",
-        "solve_none",
-        "turns",
+        "rollout/reward_mean",
+        "rollout/reward_std",
+        "rollout/accuracy",
+        "rollout/solve_all",
+        "rollout/solve_none",
+        "rollout/turns",
+        "train/kl",
+        "train/clip_fraction",
+        "train/entropy",
+        "train/grad_norm",
+        "train/lr",
+        "time/rollout_s",
+        "time/update_s",
+        "time/sync_s",
+        "time/rollout_cpu_s",
+        "time/update_cpu_s",
+        "time/sync_cpu_s",
+        "time/update_tokens_per_s",
     ):
         assert key in history[-1]
-    assert all(m["train_tokens"] > 0 and m["grad_norm"] > 0 for m in history)
+    assert set(history[-1]) - {"step"} == {k for k in history[-1] if k.split("/")[0] in ("rollout", "train", "time")}
+    assert all(m["train/tokens"] > 0 and m["train/grad_norm"] > 0 for m in history)
+    assert all(m["time/update_cpu_s"] > 0 for m in history)
     after = trainer.policy_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert trainer.engine.weight_version == 3
@@ -69,6 +75,7 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "curves.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert (run_dir / "checkpoints" / "step-000003" / "config.json").is_file()  # a model directory too
 
 
 def test_gradients_on_prompt_and_tool_output_tokens_are_exactly_zero(tmp_path, tiny_model_dir):
@@ -78,7 +85,7 @@ def test_gradients_on_prompt_and_tool_output_tokens_are_exactly_zero(tmp_path, t
     request.append_generated([30, 31, 32], [-1.0, -1.0, -1.0], 0)
     request.append_context([2, 8, 40, 41])  # glue and a tool result
     request.append_generated([33, 34], [-1.0, -1.0], 0)
-    batch = collate([trajectory_sample(request, 0, 1.0)])
+    batch = collate([trajectory_sample(request, 1.0)])
     captured = {}
     model = trainer.model
     handle = model.lm_head.register_forward_hook(lambda m, i, out: captured.update(logits=out) or out.retain_grad())
@@ -102,8 +109,8 @@ def test_resuming_from_a_checkpoint_gives_the_same_next_step(tmp_path, tiny_mode
     history = run(resumed, resume=True)
 
     assert [m["step"] for m in history] == [1, 2]
-    assert uninterrupted[1]["grad_norm"] > 1e-3
-    for key in ("loss", "pg_loss", "grad_norm", "train_tokens", "reward_mean"):
+    assert uninterrupted[1]["train/grad_norm"] > 1e-3
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/tokens", "rollout/reward_mean"):
         assert history[1][key] == pytest.approx(uninterrupted[1][key], rel=1e-5, abs=1e-7)
     a, b = straight.policy_state_dict(), resumed.policy_state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -119,13 +126,15 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
 
 def test_yaml_config_with_overrides_and_unknown_keys(tmp_path):
     path = tmp_path / "grpo.yaml"
-    path.write_text("steps: 7\nlr: 0.01\nadvantage_mode: per_step\n")
+    path.write_text("steps: 7\nlr: 0.01\nadvantage_mode: per_step\nrollout: {max_turns: 5}\n")
     assert load_config(path, {"steps": 9, "seed": None}).steps == 9
     assert load_config(path).advantage_mode == "per_step"
+    assert load_config(path).rollout.max_turns == 5
+    assert load_config(path, {"rollout.max_turns": 2}).rollout.max_turns == 2
     path.write_text("stepz: 7\n")
-    with pytest.raises(ValueError, match="unknown field\\(s\\) stepz"):
+    with pytest.raises(ValueError, match="stepz: unknown field; did you mean 'steps'"):
         load_config(path)
-    with pytest.raises(ValueError, match="advantage_mode must be one of"):
+    with pytest.raises(ValueError, match="advantage_mode: must be 'trajectory' or 'broadcast' or 'per_step'"):
         GRPOConfig(advantage_mode="nope")
 
 
@@ -133,6 +142,6 @@ def test_a_step_whose_groups_are_all_filtered_out_leaves_the_policy_alone(tmp_pa
     trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, steps=1, filter_groups=True), reward_fn=lambda r: 1.0)
     before = {k: v.clone() for k, v in trainer.policy_state_dict().items()}
     history = run(trainer)
-    assert history[0]["solve_all"] == 3 and history[0]["skipped_update"] == 1
+    assert history[0]["rollout/solve_all"] == 3 and history[0]["train/skipped_update"] == 1
     after = trainer.policy_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

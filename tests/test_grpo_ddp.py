@@ -42,9 +42,9 @@ def test_two_process_update_equals_one_process_update(tmp_path):
     (tmp_path / "two").mkdir()
     one = launch(1, model_dir, tmp_path / "one")
     two = launch(2, model_dir, tmp_path / "two")
-    assert one["metrics"]["train_tokens"] == two["metrics"]["train_tokens"]
-    assert two["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
-    assert one["metrics"]["trajectories"] == two["metrics"]["trajectories"] == 8
+    assert one["metrics"]["train/tokens"] == two["metrics"]["train/tokens"]
+    assert two["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-4)
+    assert one["metrics"]["rollout/trajectories"] == two["metrics"]["rollout/trajectories"] == 8
     assert (one["processes"], two["processes"]) == (1, 2)
     scale = max(float(g.abs().max()) for g in one["grads"].values())
     assert scale > 1e-3  # a real gradient, not float noise

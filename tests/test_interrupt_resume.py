@@ -14,7 +14,7 @@ import orjson
 import pytest
 import yaml
 
-from rollout.runner import read_finished
+from rollout.output_file import read_finished
 from tests.conftest import run_cli
 from tests.servers import rallyrl_command
 

@@ -181,7 +181,7 @@ async def test_multi_turn_conversation_passes_the_consistency_check(chat, tool):
 async def test_ground_truth_grades_the_last_answer(chat, tool):
     request, _ = await drive(chat, tool, ["it is \\boxed{42}"], request=new_request(ground_truth="42"))
     assert request.rewards.answer == 1.0
-    assert request.reward == 1.0
+    assert request.rewards.final == 1.0
 
 
 async def test_long_tool_output_is_truncated_in_the_middle(chat, tool):

@@ -51,17 +51,16 @@ def group_samples(kept: list[AsyncRolloutRequest], mode: str, scale: Any, gamma:
     samples: list[Sample] = []
     if mode == "per_step":
         per_step = per_step_advantages([step_rewards(r) for r in kept], groups.tolist(), gamma, scale)
-        for i, (request, advantages) in enumerate(zip(kept, per_step, strict=True)):
-            samples += step_samples(request, i, advantages)
+        for request, advantages in zip(kept, per_step, strict=True):
+            samples += step_samples(request, advantages)
         return samples
     advantages = trajectory_advantages(rewards, groups, scale)
     if mode == "trajectory":
-        pairs = enumerate(zip(kept, advantages.tolist(), strict=True))
-        return [trajectory_sample(request, i, advantage) for i, (request, advantage) in pairs]
+        return [trajectory_sample(r, advantage) for r, advantage in zip(kept, advantages.tolist(), strict=True)]
     steps = [len(step_rewards(r)) for r in kept]  # broadcast: every step sample carries its trajectory's
     flat = broadcast_advantages(advantages, steps).tolist()
     position = 0
-    for i, (request, count) in enumerate(zip(kept, steps, strict=True)):
-        samples += step_samples(request, i, flat[position : position + count])
+    for request, count in zip(kept, steps, strict=True):
+        samples += step_samples(request, flat[position : position + count])
         position += count
     return samples
