@@ -142,7 +142,10 @@ def check_fields(obj: Any) -> None:
 
 def build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     """``cls`` from a nested mapping: unknown keys are errors (with the closest field named),
-    every value is checked against its field's type, ``__post_init__`` errors name the place."""
+    every value is checked against its field's type, ``__post_init__`` errors name the place.
+
+    A section given in part keeps the rest of its parent's default for it: ``rollout: {top_k: 20}``
+    in a training file changes top_k and keeps the training preset of every other rollout field."""
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = [key for key in values if key not in names]
     if unknown:
@@ -151,13 +154,39 @@ def build(cls: type[T], values: dict[str, Any], where: str = "") -> T:
         hint = f"; did you mean {close[0]!r}?" if close else f"; {cls.__name__} has: {', '.join(names)}"
         raise ConfigError(f"{_join(where, key)}: unknown field{hint}")
     hints = field_types(cls)
-    kwargs = {key: convert(hints[key], value, _join(where, key)) for key, value in values.items()}
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        hint, place = hints[key], _join(where, key)
+        base = _default(defaults[key]) if isinstance(value, dict) else None
+        if dataclasses.is_dataclass(base):
+            kwargs[key] = _build_over(base, value, place)
+        else:
+            kwargs[key] = convert(hint, value, place)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _build_over(base: Any, values: dict[str, Any], where: str) -> Any:
+    """``base`` (a dataclass instance) with the fields in ``values`` changed, recursively."""
+    merged = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    for key, value in values.items():
+        current = merged.get(key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            merged[key] = _build_over(current, value, _join(where, key))
+        else:
+            merged[key] = value
+    return build(type(base), merged, where)
 
 
 def _join(where: str, key: Any) -> str:
