@@ -10,8 +10,9 @@ wrong type or a huge output, and its create and release fail now and then. The r
 through a pool (``rollout/engines/pool.py``) and writes JSONL as requests finish.
 
 Printed: requests in, completed, errored, lost (must be 0), duplicated (must be 0), every
-JSONL line valid, create/release balance, peak RSS. Not part of CI (it takes minutes). Run it
-from the repository root (it starts servers with ``tests/servers.py``).
+JSONL line valid, create/release balance, peak RSS; then PASS, or FAIL with what went wrong and
+exit status 1. Not part of CI (it takes minutes); ``--requests 200`` is a quick check. Servers
+are started with ``rollout/serve_process.py``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from rich.table import Table
 
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engines.pool import EnginePool, PoolConfig
-from rollout.engines.sglang_http import SGLangHTTPConfig
-from rollout.loop import RolloutConfig
+from rollout.config import RolloutConfig
+from rollout.engines.config import PoolConfig, SGLangHTTPConfig
+from rollout.engines.pool import EnginePool
 from rollout.request import validate_trajectory
 from rollout.runner import RolloutRunner
+from rollout.serve_process import ServeProcess, start_serve, wait_healthy
 from rollout.tokens import ChatTokenizer, load_tokenizer
-from tests.servers import ServeProcess, start_serve, wait_healthy
 from tools.base import ToolError, ToolResponse
 from tools.calculator import CalculatorTool
 
@@ -153,6 +154,23 @@ async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: P
     }
 
 
+def soak_failures(figures: dict[str, Any]) -> list[str]:
+    """What a soak run got wrong (empty: it passed): trajectories lost or written twice, invalid
+    JSONL lines, tool instances created and not released."""
+    failures = []
+    if figures["lost"]:
+        failures.append(f"{figures['lost']} of {figures['requests_in']} requests lost (no trajectory written)")
+    if figures["duplicated"]:
+        failures.append(f"{figures['duplicated']} trajectories written more than once")
+    if figures["invalid_lines"]:
+        failures.append(f"{figures['invalid_lines']} JSONL lines are not valid trajectories")
+    if figures["creates"] != figures["releases"]:
+        failures.append(f"{figures['creates']} tool instances created but {figures['releases']} released")
+    if figures["instances_left"]:
+        failures.append(f"{figures['instances_left']} tool instances never released")
+    return failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
@@ -176,9 +194,11 @@ def main() -> None:
     for key, value in figures.items():
         table.add_row(key.replace("_", " "), f"{value:.1f}" if isinstance(value, float) else str(value))
     console.print(table)
-    ok = figures["lost"] == 0 and figures["duplicated"] == 0 and figures["invalid_lines"] == 0
-    ok = ok and figures["creates"] == figures["releases"] and figures["instances_left"] == 0
-    console.print("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]: something was lost, duplicated or leaked")
+    failures = soak_failures(figures)
+    if failures:
+        console.print("[bold red]FAIL[/]: " + "; ".join(failures))
+        raise SystemExit(1)
+    console.print("[bold green]PASS[/]")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from benchmarks.bound import BoundResult, asynchronous_bound, batch_level_bound
 from benchmarks.clients import ClientRun, run_batch_level, run_rallyrl
 from benchmarks.sim_server import raise_fd_limit
 from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
+from data.files import atomic_write_bytes, atomic_write_with
 
 COLORS = {"running": "#3b76af", "tool": "#ef8636"}
 
@@ -234,10 +235,8 @@ def plot_timelines(results: list[dict[str, Any]], path: Path) -> None:
                                                                        ("tool call", COLORS["tool"]))]  # fmt: skip
     fig.legend(handles=handles, loc="upper right")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=90))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def workloads_named(names: list[str], quick: bool) -> list[Workload]:
@@ -256,9 +255,7 @@ def run_benchmark(
     console.print(markdown(results), highlight=False, markup=False)
     if json_path is not None:
         slim = [{k: v for k, v in r.items() if k != "timelines"} for r in results]
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_bytes(orjson.dumps(slim, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
-        os.replace(tmp, json_path)
+        atomic_write_bytes(json_path, orjson.dumps(slim, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     if plot_path is not None:
         plot_timelines(results, plot_path)
         console.print(f"timeline: {plot_path}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import orjson
 
+from data.files import atomic_write_bytes
 from data.prep import PrepResult, Row, infer_split, prepare
 from data.rewards import extract_hash_answer
 from data.schema import Layout, Record
@@ -87,9 +88,7 @@ def make_gsm8k_like(n: int, seed: int = 0, path: str | Path | None = None) -> li
     rng = random.Random(seed)
     rows = [_word_problem(rng) for _ in range(n)]
     if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+        atomic_write_bytes(path, b"".join(orjson.dumps(row) + b"\n" for row in rows))
     return rows
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from data.record_files import read_parquet
 from data.schema import SUFFIXES, Layout, Record, RecordError, save_records
 
 MAX_SKIPPED_SHOWN = 3
@@ -168,7 +169,7 @@ def _read_file(path: Path) -> Iterator[tuple[Any, int | None]]:
         raise RecordError(f"unsupported input type {suffix or '(no extension)'!r}; use .jsonl, .json or .parquet",
                           path=path)  # fmt: skip
     if suffix == ".parquet":
-        yield from ((row, None) for row in _read_parquet(path))
+        yield from ((row, None) for row in read_parquet(path))
         return
     try:
         raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
@@ -189,16 +190,6 @@ def _read_file(path: Path) -> Iterator[tuple[Any, int | None]]:
         except orjson.JSONDecodeError as e:
             raise RecordError(f"invalid JSON: {e}", path=path, line=number) from None
         yield value, number
-
-
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except (pa.ArrowException, OSError) as e:
-        raise RecordError(f"cannot read parquet: {e}", path=path) from None
 
 
 def _found(data: dict[str, Any]) -> str:

@@ -18,17 +18,15 @@ appears only once every line has converted (a temporary file renamed over it).""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.files import atomic_write_with
 from rollout.request import validate_trajectory
 
 SCHEMA = pa.schema(
@@ -99,24 +97,6 @@ def _batch(rows: list[dict[str, Any]], lines: list[int], path: Path) -> pa.Recor
         raise
 
 
-@contextlib.contextmanager
-def _atomic_output(path: Path) -> Iterator[IO[bytes]]:
-    """A temporary file next to ``path``, renamed over it when the block ends without error."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def export_parquet(source: str | Path, out: str | Path, *, batch_size: int = BATCH_SIZE) -> int:
     """Convert a rollout JSONL file to parquet (``SCHEMA``), ``batch_size`` lines at a time, atomically:
     a bad line raises ExportError naming the file and line, and ``out`` is left as it was.
@@ -135,21 +115,27 @@ def export_parquet(source: str | Path, out: str | Path, *, batch_size: int = BAT
         raise ExportError(f"{source}: already parquet; export reads rollout JSONL")
     reader.seek(0)
     count = 0
-    with reader, _atomic_output(out) as handle, pq.ParquetWriter(handle, SCHEMA) as writer:
-        rows: list[dict[str, Any]] = []
-        lines: list[int] = []
-        for number, line in enumerate(reader, start=1):
-            if not line.strip():
-                continue
-            rows.append(_row(line, source, number))
-            lines.append(number)
-            if len(rows) >= batch_size:
+
+    def write(tmp: Path) -> None:
+        nonlocal count
+        with pq.ParquetWriter(str(tmp), SCHEMA) as writer:
+            rows: list[dict[str, Any]] = []
+            lines: list[int] = []
+            for number, line in enumerate(reader, start=1):
+                if not line.strip():
+                    continue
+                rows.append(_row(line, source, number))
+                lines.append(number)
+                if len(rows) >= batch_size:
+                    writer.write_batch(_batch(rows, lines, source))
+                    count += len(rows)
+                    rows, lines = [], []
+            if rows:
                 writer.write_batch(_batch(rows, lines, source))
                 count += len(rows)
-                rows, lines = [], []
-        if rows:
-            writer.write_batch(_batch(rows, lines, source))
-            count += len(rows)
+
+    with reader:
+        atomic_write_with(out, write)
     return count
 
 

@@ -14,8 +14,9 @@ YES / NO (``mode="yes_no"``, 1 or 0).
   semaphore's queue without holding up anything else (a rollout request waiting for its judgment
   is one suspended coroutine). ``in_flight``, ``max_in_flight`` and ``queued`` are measured.
 - Retries: an engine error, an HTTP error that may pass (connection, timeout, 408, 429, 5xx) or
-  an unparsable reply is retried with exponential backoff and jitter, up to ``max_retries``
-  times; the slot is given back while waiting. Other HTTP errors (400, 401, 404) fail at once.
+  an unparsable reply is retried with exponential backoff and full jitter (``rollout/retry.py``),
+  up to ``max_retries`` times; the slot is given back while waiting. Other HTTP errors (400,
+  401, 404) fail at once.
 - Cache: a successful score is kept under (template, question, reference, answer), in memory
   and, with ``cache_path``, in a JSON file (loaded at construction, written on exit and by
   ``save_cache``). Identical judgments asked for at the same time call the judge once.
@@ -30,8 +31,6 @@ import asyncio
 import contextlib
 import hashlib
 import math
-import os
-import random
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -42,11 +41,13 @@ from typing import Any
 import aiohttp
 import orjson
 
+from data.files import atomic_write_bytes
 from data.reward_fns import final_answer_text, question_text
 from data.text import truncate_middle
 from rollout.config import JudgeConfig
 from rollout.engines.base import Engine, SamplingParams
 from rollout.request import AsyncRolloutRequest
+from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
 from rollout.tokens import ChatTokenizer
 
 SCORE_TEMPLATE = """You are grading an answer to a question against the reference answer.
@@ -74,7 +75,6 @@ Answer to grade:
 {answer}
 
 Is the answer to grade correct? Reply with YES or NO only."""
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 NO_REFERENCE = "(none given)"
 _PLACEHOLDER_RE = re.compile(r"\{(question|reference|answer|score_max)\}")
 _SCORE_RE = re.compile(
@@ -106,6 +106,11 @@ class JudgeError(RuntimeError):
 
 class _FatalCallError(JudgeError):
     """A call failed in a way no retry can mend (a 400, a 401, a 404)."""
+
+
+class _RetryableCallError(JudgeError):
+    """A call failed in a way another call may not (an engine or connection error, a timeout, an
+    unparsable reply); the message says how."""
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Judge:
         self._key_locks: dict[str, _KeyLock] = {}
         self._session: aiohttp.ClientSession | None = None
         self._fingerprint = [self.config.mode, self.template, self.config.score_max]
+        self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
         if self.config.cache_path and Path(self.config.cache_path).exists():
             self.cache = _read_cache(Path(self.config.cache_path))
 
@@ -265,11 +271,7 @@ class Judge:
         """Write the cache file (atomically) when there is one and something new to write."""
         if not self.config.cache_path or not self._cache_dirty:
             return
-        path = Path(self.config.cache_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(orjson.dumps({"scores": self.cache}))
-        os.replace(tmp, path)
+        atomic_write_bytes(self.config.cache_path, orjson.dumps({"scores": self.cache}))
         self._cache_dirty = False
 
     # ----- one judgment: attempts, the queue, the two backends ------------------------------------
@@ -282,26 +284,35 @@ class Judge:
             self.stats.failures += 1
             raise JudgeError(f"the judge prompt could not be rendered: {type(exc).__name__}: {exc}") from None
         attempts = self.config.max_retries + 1
-        problem = "no attempt made"
-        for attempt in range(attempts):
-            if attempt:
-                self.stats.retries += 1
-                await asyncio.sleep(self._backoff(attempt - 1))  # the slot is free meanwhile
-            try:
-                reply = await self._call_limited(request)
-            except _FatalCallError as exc:
-                self.stats.failures += 1
-                raise JudgeError(f"the judge failed: {exc}") from None
-            except Exception as exc:  # engine errors, connection errors, timeouts: another try may pass
-                problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-                continue
-            value = self.parse(reply)
-            if value is not None:
-                return value
+        try:  # the slot is free while waiting to retry
+            return await call_with_retries(
+                lambda: self._attempt(request), retries=self.config.max_retries, backoff=self._backoff,
+                retry_on=(_RetryableCallError,), on_retry=self._count_retry,
+            )  # fmt: skip
+        except _RetryableCallError as exc:
+            self.stats.failures += 1
+            raise JudgeError(f"the judge failed after {attempts} attempt(s): {exc}") from None
+        except _FatalCallError as exc:
+            self.stats.failures += 1
+            raise JudgeError(f"the judge failed: {exc}") from None
+
+    async def _attempt(self, request: Any) -> float:
+        """One call and the score in its reply; _RetryableCallError when another call may pass."""
+        try:
+            reply = await self._call_limited(request)
+        except _FatalCallError:
+            raise
+        except Exception as exc:  # engine errors, connection errors, timeouts: another try may pass
+            problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            raise _RetryableCallError(problem) from exc
+        value = self.parse(reply)
+        if value is None:
             self.stats.unparsable += 1
-            problem = f"unparsable reply {truncate_middle(reply.strip(), 200)!r}"
-        self.stats.failures += 1
-        raise JudgeError(f"the judge failed after {attempts} attempt(s): {problem}")
+            raise _RetryableCallError(f"unparsable reply {truncate_middle(reply.strip(), 200)!r}")
+        return value
+
+    def _count_retry(self, _: BaseException) -> None:
+        self.stats.retries += 1
 
     def _request_for(self, prompt: str) -> Any:
         """What each attempt sends: prompt token ids for an engine, the JSON body for a URL."""
@@ -363,11 +374,6 @@ class Judge:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
             raise RuntimeError(f"{self.url} answered with no choices[0].message.content") from None
         return content if isinstance(content, str) else ""
-
-    def _backoff(self, retry: int) -> float:
-        """Jittered exponential: uniform in [d/2, d], d = min(backoff_max_s, backoff_s * 2**retry)."""
-        delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**retry)
-        return random.uniform(delay / 2, delay)
 
     @contextlib.asynccontextmanager
     async def _one_judgment_per_key(self, key: str) -> AsyncIterator[None]:

@@ -1,7 +1,7 @@
-"""Tool-call parsers: assistant text in, (content, tool calls, parse errors) out. They never raise.
+"""Tool-call parsers: assistant text in, its content and tool calls (a malformed call carries its error) out.
 
 The Qwen2.5 / Hermes format is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-any number per turn. Other formats register a function under a name in ``PARSERS``.
+any number per turn. Other formats register a function under a name in ``PARSERS``. Parsers never raise.
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ class ParsedTurn:
 
     content: str
     calls: list[ToolCall] = field(default_factory=list)
-
-    @property
-    def errors(self) -> list[str]:
-        return [call.error for call in self.calls if call.error is not None]
 
 
 Parser = Callable[[str], ParsedTurn]

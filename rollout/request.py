@@ -137,10 +137,6 @@ class AsyncRolloutRequest:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    @property
-    def reward(self) -> float | None:
-        return self.rewards.final
-
     def to_record(self) -> dict[str, Any]:
         """The JSONL form of a finished request (field names as in the README)."""
         start = self.trace[0].t
@@ -159,7 +155,7 @@ class AsyncRolloutRequest:
             "loss_mask": self.loss_mask,
             "logprobs": self.logprobs,
             "weight_versions": self.weight_versions,
-            "reward": self.rewards.final,
+            "reward": self.rewards.final,  # the top-level key readers (sft, show, export) use
             "rewards": asdict(self.rewards),
             "turns": self.metrics.turns,
             "tool_calls": [asdict(call) for call in self.tool_calls],

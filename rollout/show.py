@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from rich.console import Console, Group
+from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -97,13 +97,6 @@ def render(located: Located, path: str | Path, tokenizer: Any = None) -> Group:
     if located.count > 1:
         title.append(f"; --index 0..{located.count - 1} shows the others", style="dim")
     return Group(title, _header(record), *_conversation(record), _token_view(record, tokenizer))
-
-
-def show(path: str | Path, index: int = 0, console: Console | None = None, tokenizer: Any = None) -> Located:
-    """Print trajectory ``index`` of ``path``; returns what was shown."""
-    located = load_trajectory(path, index)
-    (console or Console()).print(render(located, path, tokenizer))
-    return located
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_a_bad_file_is_an_error_naming_the_file_and_the_field(tmp_path, text, me
 
 
 def test_a_bad_set_item_names_the_field():
-    with pytest.raises(ConfigError, match="rollout.nope: unknown field"):
+    with pytest.raises(ConfigError, match=r"rollout\.nope: unknown field"):
         load_tree(GRPOConfig, sets=["rollout.nope=1"])
     with pytest.raises(ConfigError, match="expected FIELD=VALUE"):
         load_tree(GRPOConfig, sets=["rollout.top_k"])

@@ -26,9 +26,9 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPConfig, SGLangHTTPEngine
 from rollout.faults import FaultConfig, FaultInjector
+from rollout.serve_process import serve_processes
 from rollout.server import EngineServer, ServeConfig
 from rollout.tokens import ChatTokenizer, load_tokenizer
-from tests.servers import serve_processes
 from tests.test_serve_processes import assert_all_accounted, calc_runner
 
 ANSWER = "The answer is 4, as 2 + 2 = 4. " * 8  # a body long enough to be cut in the middle
@@ -199,8 +199,8 @@ async def test_the_http_client_retries_through_every_fault_kind(model_tokenizer)
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--fault-error-rate", "1.5"], "--fault-error-rate must be a share of /generate calls in [0, 1], got 1.5"),
-        (["--fault-hang-rate", "0.6", "--fault-drop-rate", "0.5"], "must be <= 1 (each call meets at most one fault)"),
+        (["--fault-error-rate", "1.5"], "error_rate must be a share in [0, 1], got 1.5"),
+        (["--fault-hang-rate", "0.6", "--fault-drop-rate", "0.5"], "error_rate + hang_rate + drop_rate must be <= 1"),
     ],
 )
 def test_serve_rejects_bad_fault_rates_with_exit_code_2(flags, message):

@@ -142,7 +142,7 @@ def test_a_closing_tag_inside_an_argument_string_does_not_cut_the_call_short():
 
 def test_ten_thousand_calls_in_one_turn_are_all_read():
     turn = parse('<tool_call>{"name": "echo", "arguments": {"text": "x"}}</tool_call>' * 10_000)
-    assert len(turn.calls) == 10_000 and not turn.errors
+    assert len(turn.calls) == 10_000 and all(call.error is None for call in turn.calls)
 
 
 @MODEST

@@ -26,9 +26,9 @@ from rollout.judge import Judge, JudgeConfig, JudgeError, chat_completions_url, 
 from rollout.loop import RolloutConfig, run_request
 from rollout.request import AsyncRolloutRequest, validate_trajectory
 from rollout.runner import RolloutRunner, summarize
+from rollout.serve_process import free_port
 from rollout.server import ServeConfig, serve
 from rollout.tokens import ChatTokenizer, load_tokenizer
-from tests.servers import free_port
 from trainer.advantages import group_normalize
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer
@@ -231,7 +231,7 @@ def test_the_summary_counts_missing_rewards_and_averages_the_others():
     requests[0].rewards.final, requests[1].rewards.final = 1.0, 0.5
     requests[2].rewards.final, requests[2].rewards.judge_error = None, "the judge failed"
     summary = summarize(requests, wall_s=1.0, samples_per_prompt=1)
-    assert summary.rewards_missing == 1 and summary.mean_reward == 0.75
+    assert summary.rewards_missing == 1 and summary.reward_mean == 0.75
 
 
 def test_missing_rewards_are_left_out_of_group_mean_and_std():

@@ -16,9 +16,9 @@ from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPConfig
+from rollout.serve_process import free_port
 from rollout.server import ServeConfig, serve
 from rollout.tokens import load_tokenizer
-from tests.servers import free_port
 
 FAST = PoolConfig(
     health_interval_s=0.05,

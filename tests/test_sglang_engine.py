@@ -205,11 +205,12 @@ async def test_release_and_resume_memory_occupation_reach_sglang_with_their_tags
     assert engine.engine.tokenizer_manager.memory_requests == [("release", None), ("resume", ["weights"])]
 
 
-async def test_flush_cache_reports_whether_sglang_flushed():
+async def test_flush_cache_raises_when_sglang_refused_to_flush():
     async with SGLangEngine.from_config(CONFIG) as engine:
-        assert await engine.flush_cache() is True
+        await engine.flush_cache()
         engine.engine.tokenizer_manager.flush_success = False  # requests were running
-        assert await engine.flush_cache() is False
+        with pytest.raises(EngineError, match="did not flush its cache"):
+            await engine.flush_cache()
     assert engine.engine.tokenizer_manager.flushes == 2
 
 

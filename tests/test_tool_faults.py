@@ -228,7 +228,7 @@ async def test_create_that_fails_for_some_requests_ends_only_those_and_releases_
     ]
     engine = ScriptedEngine(chat, calls_then_answers("ok"))
     runner = RolloutRunner(engine, chat, {"first": first, "faulty": refusing}, FAST, progress=False)
-    result = await runner.run(records, n=2)
+    result = await runner.run(records, samples_per_prompt=2)
     assert [(r.prompt_index, r.sample_index) for r in result.requests] == [(p, s) for p in range(6) for s in range(2)]
     for request in result.requests:
         if request.prompt_index % 2:
@@ -265,7 +265,7 @@ async def test_calc_reward_that_fails_scores_zero_notes_the_error_and_releases(c
 async def test_calc_reward_that_returns_nan_is_an_error_not_a_reward(chat):
     tool = FaultyTool(calc_reward=float("nan"))
     request = await drive(chat, [tool], "ok")
-    assert math.isfinite(request.reward)
+    assert math.isfinite(request.rewards.final)
     assert "calc_reward of faulty" in (request.error or "")
     assert_recorded(request)
 
@@ -298,7 +298,7 @@ async def test_every_request_of_a_batch_comes_back_whatever_its_tool_does(chat, 
     runner = RolloutRunner(ScriptedEngine(chat, mode_from_prompt), chat, {"faulty": tool}, FAST, max_concurrency=4,
                            progress=False)  # fmt: skip
     async with asyncio.timeout(30):
-        result = await runner.run(mode_records(EXECUTE_MODES), n=2, out_path=tmp_path / "out.jsonl")
+        result = await runner.run(mode_records(EXECUTE_MODES), samples_per_prompt=2, out_path=tmp_path / "out.jsonl")
     assert [(r.prompt_index, r.sample_index) for r in result.requests] == [
         (p, s) for p in range(len(EXECUTE_MODES)) for s in range(2)
     ]
@@ -311,7 +311,8 @@ async def test_every_request_of_a_batch_comes_back_whatever_its_tool_does(chat, 
     assert len(lines) == 2 * len(EXECUTE_MODES)
     for line in lines:
         validate_trajectory(orjson.loads(line))
-    assert result.summary.tool_errors == 2 * (len(EXECUTE_MODES) - 2)
+    assert sum(r.metrics.tool_errors for r in result.requests) == 2 * (len(EXECUTE_MODES) - 2)
+    assert result.summary.tool_errors == pytest.approx((len(EXECUTE_MODES) - 2) / len(EXECUTE_MODES))  # per trajectory
     assert_balanced(tool)
 
 

@@ -32,7 +32,7 @@ def test_step_rewards_add_tool_rewards_per_turn_and_the_final_reward_last():
 
 
 def test_trajectory_sample_masks_exactly_the_engine_tokens():
-    sample = trajectory_sample(three_step_request(1.0), 0, 0.7)
+    sample = trajectory_sample(three_step_request(1.0), 0.7)
     assert sample.input_ids == [1, 2, 10, 11, 0, 5, 12, 0, 6, 13, 14]
     assert sample.loss_mask == [0, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1]
     assert sample.engine_logprobs[2:4] == [-0.1, -0.2] and sample.engine_logprobs[4] == 0.0
@@ -40,7 +40,7 @@ def test_trajectory_sample_masks_exactly_the_engine_tokens():
 
 
 def test_each_step_sample_is_the_conversation_up_to_that_turn_with_only_its_tokens_masked():
-    samples = step_samples(three_step_request(1.0), 0, [0.1, 0.2, 0.3])
+    samples = step_samples(three_step_request(1.0), [0.1, 0.2, 0.3])
     assert [s.input_ids for s in samples] == [
         [1, 2, 10, 11],
         [1, 2, 10, 11, 0, 5, 12],
@@ -52,11 +52,10 @@ def test_each_step_sample_is_the_conversation_up_to_that_turn_with_only_its_toke
         [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1],
     ]
     assert [s.advantage for s in samples] == [0.1, 0.2, 0.3]
-    assert [s.step_index for s in samples] == [0, 1, 2]
 
 
 def test_collate_pads_on_the_right_with_zero_mask():
-    samples = step_samples(three_step_request(1.0), 0, [0.1, 0.2, 0.3])
+    samples = step_samples(three_step_request(1.0), [0.1, 0.2, 0.3])
     batch = collate(samples, pad_id=99)
     assert batch.input_ids.shape == (3, 11)
     assert batch.input_ids[0, 4:].tolist() == [99] * 7
@@ -64,11 +63,11 @@ def test_collate_pads_on_the_right_with_zero_mask():
     assert batch.loss_mask[0, 4:].sum() == 0
     assert batch.position_ids[1].tolist() == list(range(7)) + [6] * 4
     assert torch.allclose(batch.advantages, torch.tensor([0.1, 0.2, 0.3]))
-    assert batch.num_tokens == 5
+    assert batch.loss_mask.sum() == 5
 
 
 def test_micro_batches_cover_every_sample_once_grouped_by_length():
-    samples = step_samples(three_step_request(1.0), 0, [0.1, 0.2, 0.3]) * 3
+    samples = step_samples(three_step_request(1.0), [0.1, 0.2, 0.3]) * 3
     chunks = micro_batches(samples, 4)
     assert [len(c) for c in chunks] == [4, 4, 1]
     assert sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in samples)

@@ -1,7 +1,9 @@
-"""The engine protocol every backend implements: token ids in, token ids and logprobs out."""
+"""The engine protocol every backend implements (token ids in, token ids and logprobs out), and
+the optional abilities some engines add, each a protocol of its own with one async signature."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -91,4 +93,41 @@ class Engine(Protocol):
 
     async def health(self) -> bool:
         """True while the engine can serve."""
+        ...
+
+
+# ----- optional abilities ------------------------------------------------------------------------
+# Test for one with ``isinstance(engine, FlushesCache)``. A runtime-checkable protocol checks only
+# that the method exists, not its signature or that it is a coroutine function: every engine here
+# declares these methods with exactly the signatures below (tests/test_engine_abilities.py checks).
+
+
+@runtime_checkable
+class FlushesCache(Protocol):
+    """Engines with a prefix (KV) cache that can be dropped."""
+
+    async def flush_cache(self) -> None:
+        """Forget cached keys and values of finished prompts; EngineError when the engine refused."""
+        ...
+
+
+@runtime_checkable
+class LoadsWeightsFromDisk(Protocol):
+    """Servers: they load a saved model directory, not tensors (``/update_weights_from_disk``)."""
+
+    async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
+        """Pause generation, load the weights saved at ``model_path`` as ``weight_version``,
+        continue; returns the new weight version."""
+        ...
+
+
+@runtime_checkable
+class StreamsGenerations(Protocol):
+    """Engines that can report a generation's tokens while it runs."""
+
+    def generate_stream(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str
+    ) -> AsyncIterator[PartialGeneration | Generation]:
+        """Like ``generate`` (an async generator): the tokens so far after each decode step as
+        ``PartialGeneration``, the final ``Generation`` last."""
         ...

@@ -4,7 +4,7 @@ One background task owns the batch. Between decode steps it admits waiting reque
 (prefilled together into free rows of the KV buffer), drops finished and aborted ones,
 and applies pending weight updates; each step then decodes one token for every running
 request. Model steps run on a single worker thread, so the event loop stays free for
-tools and I/O.
+tools and I/O. Sampling is in ``sampling.py``, a request's state in ``sequence.py``.
 """
 
 from __future__ import annotations
@@ -15,130 +15,22 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.engines.config import LocalEngineConfig
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
+from rollout.engines.local_model import check_state_dict, load_model, resolve_device, resolve_dtype
+from rollout.engines.sampling import sample_tokens
+from rollout.engines.sequence import EngineStats, Sequence
+from rollout.engines.shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length
 from rollout.engines.shared_prefix import NAME as SHARED_PREFIX_ATTENTION
 
-MIN_SHARED_PREFIX = 64
-"""Decode reads a prompt prefix shared by every running sequence once when it is at least this long."""
-
-
-def shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Leading tokens all ``prompts`` share, or 0 when fewer than ``MIN_SHARED_PREFIX`` (or one prompt).
-
-    Prompt token i sits in column i of its KV row, so these columns hold the same keys and
-    values in every row (``rollout.engines.shared_prefix``).
-    """
-    if len(prompts) < 2:
-        return 0
-    first = prompts[0]
-    low, high = 0, min(len(p) for p in prompts)
-    while low < high:  # the longest m with every prompt[:m] == first[:m]
-        middle = (low + high + 1) // 2
-        if all(p[:middle] == first[:middle] for p in prompts):
-            low = middle
-        else:
-            high = middle - 1
-    return low if low >= MIN_SHARED_PREFIX else 0
-
-
-@dataclass
-class _Sequence:
-    rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    future: asyncio.Future[Generation]
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_weight_versions: list[int] = field(default_factory=list)
-    length: int = 0  # tokens in the KV cache (its next position)
-    row: int = -1
-    finish: str | None = None
-    generator: torch.Generator | None = None  # set when the request has its own sampling seed
-    progress: asyncio.Queue[int | None] | None = None  # streamed requests: token counts after each step
-
-    def emit(self, token: int, logprob: float, weight_version: int, max_len: int) -> None:
-        self.output_ids.append(token)
-        self.output_logprobs.append(logprob)
-        self.output_weight_versions.append(weight_version)
-        if token in self.sampling.stop_token_ids:
-            self.finish = "stop"
-        elif len(self.output_ids) >= self.sampling.max_new_tokens or self.length + 1 >= max_len:
-            self.finish = "length"
-
-
-@dataclass
-class EngineStats:
-    """Counters the benchmarks read."""
-
-    steps: int = 0
-    prefills: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-    busy_s: float = 0.0
-    peak_batch: int = 0
-    shared_prefix_steps: int = 0  # decode steps that read a prompt prefix shared by every row once
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generator: torch.Generator,
-    row_generators: list[torch.Generator | None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token ids, their logprobs under logits / temperature).
-    Rows with their own generator in ``row_generators`` draw from it, the rest from ``generator``."""
-    logits = logits.float()
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    greedy = temps == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    tokens = logprobs.argmax(dim=-1)
-    if not bool(greedy.all()):
-        probs = logprobs.exp()
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            probs = _filter_top_k_top_p(probs, top_k, top_p)
-        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        for row, own in enumerate(row_generators or []):
-            if own is not None:
-                sampled[row] = torch.multinomial(probs[row], 1, generator=own)[0]
-        tokens = torch.where(greedy, tokens, sampled)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
-    ps = torch.tensor(top_p, device=probs.device)
-    ranks = torch.arange(vocab, device=probs.device)[None, :]
-    cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass before each token
-    keep = (ranks < ks[:, None]) & (cumulative < ps[:, None])
-    keep[:, 0] = True
-    filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
-    return filtered / filtered.sum(dim=-1, keepdim=True)
+__all__ = ["EngineStats", "LocalEngine", "LocalEngineConfig", "sample_tokens", "shared_prefix_length"]
 
 
 class LocalEngine:
@@ -146,8 +38,8 @@ class LocalEngine:
 
     def __init__(self, model: PreTrainedModel, config: LocalEngineConfig | None = None):
         self.config = config or LocalEngineConfig()
-        self.device = _resolve_device(self.config.device)
-        self.dtype = _resolve_dtype(self.config.dtype, self.device)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self._cascade = self.model.config._attn_implementation in ("sdpa", SHARED_PREFIX_ATTENTION)
         if self._cascade:  # SDPA, with one read of a prompt prefix all rows share
@@ -160,17 +52,13 @@ class LocalEngine:
             model_config.hidden_size // model_config.num_attention_heads
         )
         self._kv = KVBuffer(
-            model_config.num_hidden_layers,
-            model_config.num_key_value_heads,
-            head_dim,
-            self.dtype,
-            self.device,
+            model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim, self.dtype, self.device
         )
         self._prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
         self._flush_requested = False
         self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed or 0)
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []  # index == KV row
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # index == KV row
         self._aborts: set[str | None] = set()
         self._pending_weights: list[tuple[dict[str, Any], int, asyncio.Future[int]]] = []
         self._wake = asyncio.Event()
@@ -183,11 +71,7 @@ class LocalEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, config: LocalEngineConfig | None = None) -> LocalEngine:
         """Load a local Hugging Face model directory (nothing is downloaded)."""
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise EngineError(f"{path} is not a model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        return cls(model, config)
+        return cls(load_model(path), config)
 
     async def __aenter__(self) -> LocalEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
@@ -220,7 +104,7 @@ class LocalEngine:
         if len(input_ids) >= self.max_model_len:
             return Generation([], [], "length", self.weight_version)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Sequence(rid, list(input_ids), sampling, future))
+        self._waiting.append(Sequence(rid, list(input_ids), sampling, future))
         self._wake.set()
         try:
             return await asyncio.shield(future)
@@ -249,7 +133,7 @@ class LocalEngine:
             return
         self.check_token_ids(input_ids, rid)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        seq = _Sequence(rid, list(input_ids), sampling, future, progress=asyncio.Queue())
+        seq = Sequence(rid, list(input_ids), sampling, future, progress=asyncio.Queue())
         future.add_done_callback(lambda _: seq.progress.put_nowait(None))  # type: ignore[union-attr]
         self._waiting.append(seq)
         self._wake.set()
@@ -265,13 +149,13 @@ class LocalEngine:
                 self._aborts.add(rid)
                 self._wake.set()
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """Forget the cached KV of finished prompts (at the next scheduling step)."""
         self._flush_requested = True
         self._wake.set()
 
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
-        self._check_weights(state_dict)  # a bad update must not reach the batch (and fail its requests)
+        check_state_dict(self.model, state_dict)  # a bad update must not reach the batch (and fail its requests)
         version = self.weight_version + 1 if weight_version is None else weight_version
         if self._task is None:
             self._load_weights(state_dict, version)
@@ -328,7 +212,7 @@ class LocalEngine:
     def _drop_waiting(self, aborts: set[str | None]) -> None:
         if not aborts:
             return
-        kept: deque[_Sequence] = deque()
+        kept: deque[Sequence] = deque()
         for seq in self._waiting:
             if None in aborts or seq.rid in aborts or seq.future.done():
                 self._resolve(seq, "abort")
@@ -336,8 +220,8 @@ class LocalEngine:
                 kept.append(seq)
         self._waiting = kept
 
-    def _admit(self) -> list[_Sequence]:
-        admitted: list[_Sequence] = []
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
         free = self.config.max_batch_size - len(self._running)
         longest = 0
         while self._waiting and len(admitted) < free:
@@ -356,7 +240,7 @@ class LocalEngine:
                 admitted = admitted[:1]
         return admitted
 
-    def _resolve(self, seq: _Sequence, finish: str) -> None:
+    def _resolve(self, seq: Sequence, finish: str) -> None:
         if not seq.future.done():
             generation = Generation(seq.output_ids, seq.output_logprobs, finish, self.weight_version)  # type: ignore[arg-type]
             generation.output_weight_versions = seq.output_weight_versions
@@ -367,17 +251,17 @@ class LocalEngine:
     @torch.inference_mode()
     def _step(
         self,
-        admitted: list[_Sequence],
+        admitted: list[Sequence],
         aborts: set[str | None],
         weights: list[tuple[dict[str, Any], int, asyncio.Future[int]]],
-    ) -> list[_Sequence]:
+    ) -> list[Sequence]:
         """One scheduling step: weights, aborts, prefill of the admitted, one decode step."""
         for state_dict, version, _ in weights:
             self._load_weights(state_dict, version)
         if self._flush_requested:
             self._flush_requested = False
             self._prefix_cache.clear()
-        finished: list[_Sequence] = []
+        finished: list[Sequence] = []
         if aborts:
             for seq in list(self._running):
                 if None in aborts or seq.rid in aborts:
@@ -390,19 +274,6 @@ class LocalEngine:
             self._decode()
             finished += self._retire()
         return finished
-
-    def _check_weights(self, state_dict: dict[str, Any]) -> None:
-        current = self.model.state_dict()
-        unknown = sorted(set(state_dict) - set(current))
-        if unknown:
-            raise EngineError(f"update_weights: unknown parameters {unknown[:5]}")
-        wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(current[k].shape)]
-        if wrong:
-            name = wrong[0]
-            raise EngineError(
-                f"update_weights: {name} has shape {tuple(state_dict[name].shape)}, "
-                f"the model's is {tuple(current[name].shape)}"
-            )
 
     def _load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)
@@ -436,7 +307,7 @@ class LocalEngine:
             self._shared_length = shared_prefix_length([s.prompt_ids for s in running])
         return self._shared_length
 
-    def _prefill(self, admitted: list[_Sequence]) -> None:
+    def _prefill(self, admitted: list[Sequence]) -> None:
         """Compute the admitted prompts (less what the prefix cache has) into new rows, and
         sample each one's first token."""
         kv, device = self._kv, self.device
@@ -513,7 +384,7 @@ class LocalEngine:
         self.stats.generated_tokens += rows
         self.stats.peak_batch = max(self.stats.peak_batch, rows)
 
-    def _retire(self) -> list[_Sequence]:
+    def _retire(self) -> list[Sequence]:
         """Remove finished sequences from the batch (and their KV rows)."""
         done = [s for s in self._running if s.finish is not None]
         if done:

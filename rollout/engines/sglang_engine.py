@@ -230,12 +230,14 @@ class SGLangEngine:
         request = _request(io_struct.ResumeMemoryOccupationReqInput, tags=tags)
         await self.engine.tokenizer_manager.resume_memory_occupation(request, None)
 
-    async def flush_cache(self) -> bool:
-        """Drop the prefix cache; False when SGLang refused (requests were running)."""
+    async def flush_cache(self) -> None:
+        """Drop the prefix cache; EngineError when SGLang refused (requests were running), as a
+        server's ``/flush_cache`` answers 400 then."""
         result = self.engine.tokenizer_manager.flush_cache()
         if inspect.isawaitable(result):  # a coroutine since 0.4.4
             result = await result
-        return bool(getattr(result, "success", True))
+        if not getattr(result, "success", True):
+            raise EngineError(f"{self!r}: SGLang did not flush its cache (requests were running); flush when idle")
 
     async def health(self) -> bool:
         """True between ``async with`` and shutdown (SGLang's processes are not probed)."""

@@ -5,9 +5,10 @@ connection pool sized for thousands of requests in flight. ``generate`` posts to
 ``/generate`` and reads output ids, logprobs, finish reason and weight version.
 
 Failures: connection errors, timeouts and HTTP 408 / 429 / 5xx are retried with exponential
-backoff and jitter; anything else (a 400, a malformed response) fails at once. Each attempt
-has its own wire rid (``rid#attempt``), so a retry never collides with a request the server
-may still be running; a timed-out attempt is aborted on the server before the next.
+backoff and full jitter (``rollout/retry.py``); anything else (a 400, a malformed response)
+fails at once. Each attempt has its own wire rid (``rid#attempt``), so a retry never collides
+with a request the server may still be running; a timed-out attempt is aborted on the server
+before the next.
 
 Weight updates: a generation aborted by the server that this client did not abort itself
 (``/pause_generation`` or ``/update_weights_from_disk`` with ``abort_all_requests``) is
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -34,9 +35,10 @@ from rollout.engines.sglang_protocol import (
     parse_generation,
     parse_weight_version,
 )
+from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
 
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 JSON_HEADERS = {"Content-Type": "application/json"}
+T = TypeVar("T")
 
 
 class RetryableError(EngineError):
@@ -65,6 +67,7 @@ class SGLangHTTPEngine:
         self._attempts = 0
         self._urls: dict[str, yarl.URL] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
 
     def __repr__(self) -> str:
         return f"SGLangHTTPEngine({self.url!r})"
@@ -106,7 +109,8 @@ class SGLangHTTPEngine:
 
     async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
         """One /generate call, retried on transient failures."""
-        for attempt in range(self.config.max_retries + 1):
+
+        async def attempt() -> Generation:
             if rid in self._aborted:  # aborted while waiting to retry
                 return Generation([], [], "abort", self.weight_version)
             self._attempts += 1
@@ -121,18 +125,22 @@ class SGLangHTTPEngine:
                     exc.__cause__, aiohttp.ConnectionTimeoutError
                 ):
                     await self._abort_quietly(wire_rid)  # the server may still be running it
-                if attempt == self.config.max_retries:
-                    message = f"{self.url}: request {rid} failed after {attempt + 1} attempts: {exc}"
-                    raise ServerUnavailableError(message) from exc
-                await asyncio.sleep(self._backoff(attempt))
+                raise
             finally:
                 if self._wire_rids.get(rid) == wire_rid:
                     del self._wire_rids[rid]
-        raise AssertionError("unreachable")
 
-    def _backoff(self, attempt: int) -> float:
-        """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
-        return random.uniform(0, min(self.config.backoff_max_s, self.config.backoff_s * 2**attempt))
+        try:
+            return await self._with_retries(attempt)
+        except RetryableError as exc:
+            attempts = self.config.max_retries + 1
+            raise ServerUnavailableError(f"{self.url}: request {rid} failed after {attempts} attempts: {exc}") from exc
+
+    async def _with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, retried on RetryableError with this client's backoff (``rollout/retry.py``)."""
+        return await call_with_retries(
+            attempt, retries=self.config.max_retries, backoff=self._backoff, retry_on=(RetryableError,)
+        )
 
     # ----- HTTP ----------------------------------------------------------------------------
 
@@ -186,15 +194,11 @@ class SGLangHTTPEngine:
 
     async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         """A control call, retried like generation but named in its error."""
-        for attempt in range(self.config.max_retries + 1):
-            try:
-                return await self._request(method, path, payload, self.config.control_timeout_s)
-            except RetryableError as exc:
-                if attempt == self.config.max_retries:
-                    message = f"{self.url}{path} failed after {attempt + 1} attempts: {exc}"
-                    raise ServerUnavailableError(message) from exc
-                await asyncio.sleep(self._backoff(attempt))
-        raise AssertionError("unreachable")
+        try:
+            return await self._with_retries(lambda: self._request(method, path, payload, self.config.control_timeout_s))
+        except RetryableError as exc:
+            attempts = self.config.max_retries + 1
+            raise ServerUnavailableError(f"{self.url}{path} failed after {attempts} attempts: {exc}") from exc
 
     # ----- control endpoints -------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ scores against the prefix are one matrix product against a single copy, the scor
 each row's own columns a batched one, and a single softmax over both gives the usual result
 (cascade attention, as in FlashInfer). Without a ``shared_prefix`` argument, or with more than
 one query position (a prefill, where SDPA's fused kernel beats materialising the scores), it
-is transformers' SDPA attention unchanged.
+is transformers' SDPA attention unchanged. ``shared_prefix_length`` says how long that prefix is.
 """
 
 from __future__ import annotations
@@ -21,6 +21,28 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "rallyrl_shared_prefix"
+
+MIN_SHARED_PREFIX = 64
+"""Decode reads a prompt prefix shared by every running sequence once when it is at least this long."""
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Leading tokens all ``prompts`` share, or 0 when fewer than ``MIN_SHARED_PREFIX`` (or one prompt).
+
+    Prompt token i sits in column i of its KV row, so these columns hold the same keys and
+    values in every row (``shared_prefix_attention``).
+    """
+    if len(prompts) < 2:
+        return 0
+    first = prompts[0]
+    low, high = 0, min(len(p) for p in prompts)
+    while low < high:  # the longest m with every prompt[:m] == first[:m]
+        middle = (low + high + 1) // 2
+        if all(p[:middle] == first[:middle] for p in prompts):
+            low = middle
+        else:
+            high = middle - 1
+    return low if low >= MIN_SHARED_PREFIX else 0
 
 
 def shared_prefix_attention(
