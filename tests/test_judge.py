@@ -256,7 +256,7 @@ def test_a_request_with_a_missing_reward_gets_no_training_sample(tmp_path, tiny_
     samples, stats = trainer.build_samples(requests, wanted_groups=2)
     assert [(s.group_id, s.advantage) for s in samples] == [(0, pytest.approx(1.0, abs=1e-4)),
                                                             (0, pytest.approx(-1.0, abs=1e-4))]  # fmt: skip
-    assert stats["rewards_missing"] == 4 and stats["groups_trained"] == 1
+    assert stats["groups_trained"] == 1
     metrics = trainer.rollout_metrics(requests)
     assert metrics["rewards_missing"] == 4 and metrics["reward_mean"] == 0.5 and metrics["reward_std"] == 0.5
 

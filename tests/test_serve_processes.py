@@ -171,8 +171,8 @@ def test_three_grpo_steps_against_two_servers_update_both(tmp_path):
         versions = [get_json(f"{s.url}/get_model_info")["weight_version"] for s in servers]
     assert versions == ["3", "3"]
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["weight_version"] for m in metrics] == [0, 1, 2]
-    assert all(m["staleness_mean"] == 0 and m["staleness_max"] == 0 for m in metrics)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
+    assert all(m["rollout/staleness_mean"] == 0 and m["rollout/staleness_max"] == 0 for m in metrics)
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["v000002", "v000003"]  # older ones removed
     assert (out / "final" / "config.json").is_file()
 

@@ -23,11 +23,6 @@ KEEP_WEIGHT_DIRS = 2
 """Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
 
 
-def loads_from_disk(engine: Engine) -> bool:
-    """True for engines that are servers (they load saved weights, not tensors)."""
-    return isinstance(engine, LoadsWeightsFromDisk)
-
-
 def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> Path:
     """Save ``model`` (safetensors, config, tokenizer) as ``weights_dir/v{version:06d}``, atomically;
     older versions beyond ``KEEP_WEIGHT_DIRS`` are removed."""

@@ -1,0 +1,286 @@
+"""Linux primitives of the ``python`` tool's sandbox: namespaces, mounts, user switching,
+capabilities and Landlock, through ctypes. Standard library only: the supervisor
+(``tools/sandbox_supervisor.py``) imports it in a process started with ``python -I -S``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import stat
+import struct
+from typing import Any
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, LINUX_CAPABILITY_VERSION_3 = 47, 4, 0x20080522
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+MOUNT_OPTION_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
+LANDLOCK_WRITE_FILE, LANDLOCK_READ_FILE, LANDLOCK_READ_DIR = 1 << 1, 1 << 2, 1 << 3
+LANDLOCK_REFER, LANDLOCK_TRUNCATE = 1 << 13, 1 << 14
+LANDLOCK_FILE_ACCESS = 1 << 0 | LANDLOCK_WRITE_FILE | LANDLOCK_READ_FILE | LANDLOCK_TRUNCATE  # rights a file rule takes
+LANDLOCK_MAKE_AND_REMOVE = sum(1 << bit for bit in (4, 5, 6, 7, 8, 9, 10, 11, 12))  # REMOVE_DIR ... MAKE_SYM
+LANDLOCK_NET_BIND_TCP, LANDLOCK_NET_CONNECT_TCP = 1 << 0, 1 << 1
+LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_LIBC.syscall.restype = ctypes.c_long
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def unshare(flags: int) -> None:
+    _check(_LIBC.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def prctl(option: int, value: int) -> None:
+    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), 0, 0, 0), "prctl")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def encode(text: str | None) -> bytes | None:
+        return None if text is None else os.fsencode(text)
+
+    _check(_LIBC.mount(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {target}")
+
+
+def _allows(path: str, uid: int, gid: int, bits: int) -> bool:
+    """Whether ``uid``/``gid`` (no supplementary groups) has the rwx ``bits`` on ``path``."""
+    st = os.stat(path)
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+    return (st.st_mode >> shift) & bits == bits
+
+
+def _blocked_ancestors(path: str, uid: int, gid: int) -> list[tuple[str, str]]:
+    """(directory, name of the next component) for each directory above ``path`` uid cannot search."""
+    blocked, parent = [], "/"
+    for name in path.strip("/").split("/"):
+        if not _allows(parent, uid, gid, 1):
+            blocked.append((parent, name))
+        parent = os.path.join(parent, name)
+    return blocked
+
+
+def switch_user(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def probe_as(uid: int, paths: list[str]) -> str | None:
+    """Why the program cannot run as ``uid`` (None when it can), found by a throwaway child that
+    switches to it and checks each of ``paths`` with access(2)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        problem = ""
+        try:
+            os.close(read)
+            switch_user(uid, uid)
+            for path in paths:
+                if not os.access(path, os.X_OK if os.path.isfile(path) else os.R_OK | os.X_OK):
+                    problem = f"{path} is not readable by uid {uid}"
+                    break
+        except BaseException as exc:
+            problem = f"cannot switch to uid {uid}: {exc}"
+        with contextlib.suppress(BaseException):
+            os.write(write, problem.encode())
+        os._exit(0)
+    os.close(write)
+    problem = b""
+    while chunk := os.read(read, 4096):
+        problem += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return problem.decode() or None
+
+
+def _expose(paths: list[str], uid: int, gid: int) -> list[str]:
+    """In our mount namespace, make ``paths`` reachable for uid: a directory it cannot search is
+    covered by a tmpfs holding bind mounts of just the needed entries. Returns the covered dirs."""
+    needed: dict[str, set[str]] = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            for directory, name in _blocked_ancestors(path, uid, gid):
+                needed.setdefault(directory, set()).add(name)
+    for directory in sorted(needed, key=lambda d: d.count("/")):  # outer first
+        fds = {}
+        for name in needed[directory]:
+            with contextlib.suppress(OSError):
+                fds[name] = os.open(os.path.join(directory, name), os.O_PATH | os.O_CLOEXEC)
+        try:
+            _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+            for name, fd in fds.items():
+                target = os.path.join(directory, name)
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    os.mkdir(target)
+                else:
+                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+                _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    return sorted(needed)
+
+
+def _mount_points() -> list[tuple[str, str]]:
+    """(mount point, per-mount options) of every mount in this mount namespace."""
+    points = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
+            points.append((os.fsdecode(point), fields[5].decode()))
+    return points
+
+
+def _remount_read_only(keep: set[str]) -> bool:
+    """Remount every mount read-only except those at ``keep``; True when "/" became read-only."""
+    root_done = False
+    for point, options in _mount_points():
+        if point in keep:
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in options.split(","):
+            flags |= MOUNT_OPTION_FLAGS.get(option, 0)
+        try:
+            _mount(None, point, None, flags)
+            root_done = root_done or point == "/"
+        except OSError:
+            pass
+    return root_done
+
+
+def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None) -> tuple[list[str], bool]:
+    """Inside a fresh mount namespace: private propagation, the interpreter reachable for the
+    sandbox uid, a writable working directory, a private /dev/shm and /proc, the rest read-only."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
+    workdir, notes = cfg["workdir"], []
+    if uid is not None:
+        covered = _expose([*cfg["essential_paths"], *cfg["optional_paths"], workdir], uid, uid)
+        notes += [f"shadowed:{directory}" for directory in covered]
+    with open(os.path.join(workdir, "main.py"), "rb") as f:
+        program = f.read()
+    uid, gid = (uid, uid) if uid is not None else (os.geteuid(), os.getegid())
+    # a private, size-limited working directory (the host's stays empty but for main.py)
+    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=700,uid={uid},gid={gid}")
+    with open(os.path.join(workdir, "main.py"), "wb") as f:
+        f.write(program)
+    os.chown(os.path.join(workdir, "main.py"), uid, gid)
+    notes.append(f"tmpfs-workdir:{cfg['disk_mb']}m")
+    keep = {workdir}
+    shm = False
+    if os.path.isdir("/dev/shm"):
+        try:
+            _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['file_size_mb']}m,mode=1777")
+            keep.add("/dev/shm")
+            shm = True
+        except OSError:
+            pass
+    if pidns:
+        with contextlib.suppress(OSError):
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            notes.append("private-proc")
+    if _remount_read_only(keep):
+        notes.append("read-only-fs")
+    return notes, shm
+
+
+def drop_capabilities() -> None:
+    """For a program left running as root: empty the bounding, ambient and inheritable sets (and the
+    rest), so that after exec it is uid 0 without a single capability: no reboot, no module loading,
+    no raw devices, no overriding file permissions (files root owns stay its own, though)."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for capability in range(last + 1):
+        prctl(PR_CAPBSET_DROP, capability)
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    header = struct.pack("=Ii", LINUX_CAPABILITY_VERSION_3, 0)
+    _check(_LIBC.capset(header, bytes(24)), "capset")  # effective, permitted, inheritable: all empty
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is missing or disabled."""
+    version = _LIBC.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0), ctypes.c_long(1))
+    return max(int(version), 0)
+
+
+def landlock_restrict(abi: int, workdir: str, readable: list[str], shm: bool) -> None:
+    """Reads only below ``readable`` (and workdir), writes only below workdir (and /dev/shm when it is
+    private) plus to existing /dev files; no TCP bind/connect (ABI 4+), no signals to and no abstract
+    sockets of processes outside the sandbox (ABI 6+)."""
+    read = LANDLOCK_READ_FILE | LANDLOCK_READ_DIR
+    write = LANDLOCK_WRITE_FILE | LANDLOCK_MAKE_AND_REMOVE
+    write |= (LANDLOCK_REFER if abi >= 2 else 0) | (LANDLOCK_TRUNCATE if abi >= 3 else 0)
+    net = LANDLOCK_NET_BIND_TCP | LANDLOCK_NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0
+    attr = struct.pack("=QQQ", read | write, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = _check(
+        _LIBC.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), attr, ctypes.c_long(len(attr)), ctypes.c_long(0)),
+        "landlock_create_ruleset",
+    )
+    try:
+        rules = [(path, read) for path in readable] + [(workdir, read | write)]
+        rules.append(("/dev", read | LANDLOCK_WRITE_FILE | (LANDLOCK_TRUNCATE if abi >= 3 else 0)))
+        if shm:
+            rules.append(("/dev/shm", read | write))
+        for path, allowed in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    allowed &= LANDLOCK_FILE_ACCESS
+                rule = struct.pack("=Qi", allowed, fd)  # struct landlock_path_beneath_attr (packed)
+                add_rule = ctypes.c_long(SYS_LANDLOCK_ADD_RULE)
+                _check(_LIBC.syscall(add_rule, ctypes.c_long(ruleset), ctypes.c_long(1), rule, 0), f"landlock {path}")
+            finally:
+                os.close(fd)
+        _check(
+            _LIBC.syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_long(ruleset), ctypes.c_long(0)),
+            "landlock_restrict_self",
+        )
+    finally:
+        os.close(ruleset)
+
+
+def enter_user_namespace() -> None:
+    """A new user namespace where we keep our uid and gid (and gain capabilities over its namespaces)."""
+    uid, gid = os.geteuid(), os.getegid()
+    unshare(CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def user_namespace_works() -> bool:
+    """Try it in a throwaway child first: where unshare succeeds but the maps cannot be written (as
+    under Ubuntu's AppArmor restriction), the supervisor must not enter one itself."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            enter_user_namespace()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
