@@ -72,7 +72,7 @@ def main() -> None:
             table.add_column(column, justify="right")
         for count in args.sequences:
             requests = calc_trajectories(trainer, count, seed=count)
-            samples = [trajectory_sample(r, i, 1.0 if r.rewards.final else -1.0) for i, r in enumerate(requests)]
+            samples = [trajectory_sample(r, 1.0 if r.rewards.final else -1.0) for r in requests]
             tokens = sum(len(s.input_ids) for s in samples)
             trainer.update(samples)  # warm-up
             started = time.perf_counter()
@@ -87,7 +87,7 @@ def main() -> None:
             table.add_row(
                 str(count),
                 f"{tokens / count:.0f}",
-                f"{metrics['train_tokens']:,.0f}",
+                f"{metrics['tokens']:,.0f}",
                 f"{seconds:.2f}",
                 f"{tokens / seconds:,.0f}",
                 peak_text,

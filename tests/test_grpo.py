@@ -8,6 +8,7 @@ import json
 import orjson
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rollout.config import RolloutConfig
 from rollout.request import AsyncRolloutRequest
@@ -75,7 +76,17 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "curves.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
-    assert (run_dir / "checkpoints" / "step-000003" / "config.json").is_file()  # a model directory too
+    checkpoint = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-000003")  # a model directory
+    assert all(torch.equal(checkpoint.state_dict()[k], after[k]) for k in after)
+
+
+def test_threads_setting_sets_torchs_intra_op_threads(tmp_path, tiny_model_dir):
+    before = torch.get_num_threads()
+    try:
+        GRPOTrainer(config(tmp_path, tiny_model_dir, threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_gradients_on_prompt_and_tool_output_tokens_are_exactly_zero(tmp_path, tiny_model_dir):

@@ -115,6 +115,16 @@ async def test_turn_budget_ends_in_max_turns(chat, tool):
     assert request.metrics.tool_calls == 2  # the last turn's call is not executed
 
 
+async def test_whole_response_budget_ends_in_length_across_turns(chat, tool):
+    script = [call("echo", text="again and again")]
+    unbounded, _ = await drive(chat, tool, script, RolloutConfig(max_turns=6))
+    assert unbounded.finish_reason is FinishReason.MAX_TURNS and len(unbounded.response_ids) > 200
+    request, _ = await drive(chat, tool, script, RolloutConfig(max_turns=6, max_response_tokens=200))
+    assert request.finish_reason is FinishReason.LENGTH
+    assert 2 <= request.metrics.turns < 6
+    assert sum(request.loss_mask) <= 200  # no turn generates past the budget; tool output may end it
+
+
 async def test_long_turn_ends_in_length(chat, tool):
     request, _ = await drive(chat, tool, ["x" * 50], RolloutConfig(max_new_tokens=10))
     assert request.finish_reason is FinishReason.LENGTH

@@ -143,7 +143,7 @@ class EvalConfig(PromptsConfig):
     """Write the report as JSON here."""
     report: str | None = None
     """Write a Markdown report here (overall, per data_source, example failures)."""
-    rollout: RolloutConfig = field(default_factory=_calc_rollout)
+    rollout: RolloutConfig = field(default_factory=lambda: _calc_rollout(max_model_len=2048))
     """Limits and sampling of the sampled answers (the greedy pass sets temperature 0)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
