@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model, save_tiny_model
+from data.tiny_model import EMBEDDED_MODEL, TinyModelConfig, build_char_tokenizer, build_tiny_model, save_tiny_model
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool, ToolError, ToolResponse, function_schema
@@ -148,3 +149,23 @@ class ScriptedEngine:
 def random_delay(seed: int) -> Callable[[str], float]:
     rng = random.Random(seed)
     return lambda rid: rng.uniform(0, 0.02)
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Any, model_dir: Path = EMBEDDED_MODEL, port: int = 0) -> AsyncIterator[str]:
+    """``rallyrl serve``'s HTTP server over ``engine`` in this event loop, on 127.0.0.1 (``port`` 0:
+    a free one); yields its URL and stops it at exit."""
+    from rollout.config import ServeConfig
+    from rollout.server import serve
+    from rollout.tokens import load_tokenizer
+
+    ready = asyncio.Event()
+    config = ServeConfig(model=str(model_dir), port=port)
+    task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,12 @@ import pytest
 import yaml
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.config import ServeConfig
 from rollout.engines.base import Generation, SamplingParams
 from rollout.parsers import ParsedTurn, ToolCall, register_parser
 from rollout.runner import RolloutRunner
 from rollout.serve_process import serve_processes
-from rollout.server import serve
 from rollout.tokens import ChatTokenizer, load_tokenizer
-from tests.conftest import ScriptedEngine, run_cli
+from tests.conftest import ScriptedEngine, run_cli, serving
 from trainer.config import load_config
 from trainer.grpo import GRPOTrainer
 
@@ -65,22 +62,14 @@ def write_config(tmp_path: Path, model_dir: Path, **sections: Any) -> Path:
     return path
 
 
-def one_step(config_path: Path, chat_script, monkeypatch) -> tuple[list, TrainableScriptedEngine]:
+def one_step(config_path: Path, chat_script) -> tuple[list, TrainableScriptedEngine]:
     """One GRPO step of the config at ``config_path`` on a scripted policy; its requests."""
     config = load_config(config_path)
     trainer = GRPOTrainer(config)
     engine = TrainableScriptedEngine(trainer.chat, chat_script)
     trainer.engine = engine
-    seen: list = []
-    run = RolloutRunner.run
-
-    async def recording_run(self, *args, **kwargs):
-        result = await run(self, *args, **kwargs)
-        seen.extend(result.requests)
-        return result
-
-    monkeypatch.setattr(RolloutRunner, "run", recording_run)
-    asyncio.run(trainer.train())
+    with recorded_rollouts() as seen:
+        asyncio.run(trainer.train())
     return seen, engine
 
 
@@ -91,77 +80,69 @@ def calls_in(format_: str, count: int, **arguments: Any) -> str:
     return "".join(f'<tool_call>{{"name": "echo", "arguments": {body}}}</tool_call>' for _ in range(count))
 
 
-def test_tool_parser_from_the_training_yaml_parses_the_calls(tmp_path, tiny_model_dir, monkeypatch):
+def test_tool_parser_from_the_training_yaml_parses_the_calls(tmp_path, tiny_model_dir):
     script = lambda turn, prompt, rid: calls_in("lines", 1) if turn == 0 else "done"  # noqa: E731
     path = write_config(tmp_path, tiny_model_dir, rollout={"tool_parser": "test-call-lines"})
-    requests, _ = one_step(path, script, monkeypatch)
+    requests, _ = one_step(path, script)
     assert requests and all(len(r.tool_calls) == 1 and r.tool_calls[0].error is None for r in requests)
     # the same script under the default parser calls nothing: the setting is what made the difference
-    requests, _ = one_step(write_config(tmp_path / "b", tiny_model_dir), script, monkeypatch)
+    requests, _ = one_step(write_config(tmp_path / "b", tiny_model_dir), script)
     assert all(not r.tool_calls for r in requests)
 
 
-def test_tool_timeout_from_the_training_yaml_cuts_slow_calls(tmp_path, tiny_model_dir, monkeypatch):
+def test_tool_timeout_from_the_training_yaml_cuts_slow_calls(tmp_path, tiny_model_dir):
     script = lambda turn, prompt, rid: calls_in("qwen25", 1, sleep=2.0) if turn == 0 else "done"  # noqa: E731
     path = write_config(tmp_path, tiny_model_dir, rollout={"tool_timeout_s": 0.1})
-    requests, _ = one_step(path, script, monkeypatch)
+    requests, _ = one_step(path, script)
     assert requests
     for request in requests:
         assert request.tool_calls[0].error == "tool echo timed out after 0.1 s"
         assert request.tool_calls[0].latency_s < 1.5
 
 
-def test_max_parallel_calls_from_the_training_yaml_skips_extra_calls(tmp_path, tiny_model_dir, monkeypatch):
+def test_max_parallel_calls_from_the_training_yaml_skips_extra_calls(tmp_path, tiny_model_dir):
     script = lambda turn, prompt, rid: calls_in("qwen25", 3) if turn == 0 else "done"  # noqa: E731
     path = write_config(tmp_path, tiny_model_dir, rollout={"max_parallel_calls": 1})
-    requests, _ = one_step(path, script, monkeypatch)
+    requests, _ = one_step(path, script)
     for request in requests:
         errors = [call.error for call in request.tool_calls]
         assert errors[0] is None and all(e and "at most 1 tool calls" in e for e in errors[1:]) and len(errors) == 3
 
 
-def test_top_k_from_the_training_yaml_reaches_the_engine(tmp_path, tiny_model_dir, monkeypatch):
+def test_top_k_from_the_training_yaml_reaches_the_engine(tmp_path, tiny_model_dir):
     path = write_config(tmp_path, tiny_model_dir, rollout={"top_k": 7, "temperature": 0.7})
-    _, engine = one_step(path, lambda turn, prompt, rid: "done", monkeypatch)
+    _, engine = one_step(path, lambda turn, prompt, rid: "done")
     assert engine.sampling and {(s.top_k, s.temperature) for s in engine.sampling} == {(7, 0.7)}
 
 
-@contextlib.asynccontextmanager
-async def judge_server(chat: ChatTokenizer, reply: str) -> AsyncIterator[str]:
-    """``rallyrl serve``'s HTTP server (in this event loop, on loopback) over a scripted judge model."""
-    judge_model = ScriptedEngine(chat, lambda turn, prompt, rid: reply)
-    config = ServeConfig(model=str(EMBEDDED_MODEL), port=0)
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve(judge_model, load_tokenizer(EMBEDDED_MODEL), config, ready))
-    await asyncio.wait_for(ready.wait(), 30)
+@contextlib.contextmanager
+def recorded_rollouts():
+    """Every request the trainer's rollouts finish, collected as ``RolloutRunner.run`` returns them."""
+    seen: list = []
+    run = RolloutRunner.run
+
+    async def recording_run(self, *args, **kwargs):
+        result = await run(self, *args, **kwargs)
+        seen.extend(result.requests)
+        return result
+
+    RolloutRunner.run = recording_run  # type: ignore[method-assign]
     try:
-        yield f"http://127.0.0.1:{config.port}"
+        yield seen
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        RolloutRunner.run = run  # type: ignore[method-assign]
 
 
 def test_a_judge_reward_from_the_training_yaml_scores_every_trajectory(tmp_path, tiny_model_dir):
     async def main() -> list:
         chat = ChatTokenizer(load_tokenizer(EMBEDDED_MODEL))
-        async with judge_server(chat, "The answer matches. score: 8") as url:
+        judge_model = ScriptedEngine(chat, lambda turn, prompt, rid: "The answer matches. score: 8")
+        async with serving(judge_model) as url:
             path = write_config(tmp_path, tiny_model_dir, reward="judge", judge={"url": url, "max_concurrency": 2})
             trainer = GRPOTrainer(load_config(path))
             trainer.engine = TrainableScriptedEngine(trainer.chat, lambda turn, prompt, rid: "\\boxed{4}")
-            seen: list = []
-            run = RolloutRunner.run
-
-            async def recording_run(self, *args, **kwargs):
-                result = await run(self, *args, **kwargs)
-                seen.extend(result.requests)
-                return result
-
-            RolloutRunner.run = recording_run  # type: ignore[method-assign]
-            try:
+            with recorded_rollouts() as seen:
                 await trainer.train()
-            finally:
-                RolloutRunner.run = run  # type: ignore[method-assign]
             assert trainer.judge is not None and trainer.judge.max_in_flight <= 2
             return seen
 

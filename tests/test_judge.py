@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 import torch
-from conftest import CountingTool, ScriptedEngine
+from conftest import CountingTool, ScriptedEngine, serving
 
 from data.reward_fns import reward_for_records
 from data.schema import Record
@@ -27,8 +27,7 @@ from rollout.loop import RolloutConfig, run_request
 from rollout.request import AsyncRolloutRequest, validate_trajectory
 from rollout.runner import RolloutRunner, summarize
 from rollout.serve_process import free_port
-from rollout.server import ServeConfig, serve
-from rollout.tokens import ChatTokenizer, load_tokenizer
+from rollout.tokens import ChatTokenizer
 from trainer.advantages import group_normalize
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer
@@ -346,17 +345,9 @@ async def test_500_judged_requests_keep_at_most_16_judge_calls_in_flight_and_los
 @contextlib.asynccontextmanager
 async def embedded_server() -> AsyncIterator[str]:
     """The embedded model behind ``rallyrl serve`` on a loopback port of this event loop."""
-    async with LocalEngine.from_pretrained(EMBEDDED_MODEL, LocalEngineConfig(max_batch_size=8, device="cpu")) as engine:
-        ready = asyncio.Event()
-        config = ServeConfig(model=str(EMBEDDED_MODEL), port=0)
-        task = asyncio.create_task(serve(engine, load_tokenizer(EMBEDDED_MODEL), config, ready))
-        await asyncio.wait_for(ready.wait(), 30)
-        try:
-            yield f"http://127.0.0.1:{config.port}"
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    engine = LocalEngine.from_pretrained(EMBEDDED_MODEL, LocalEngineConfig(max_batch_size=8, device="cpu"))
+    async with engine, serving(engine) as url:
+        yield url
 
 
 async def test_a_real_judge_server_that_answers_nonsense_gives_recorded_failures(chat):

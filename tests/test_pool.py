@@ -17,8 +17,7 @@ from rollout.engines.local import LocalEngine, LocalEngineConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPConfig
 from rollout.serve_process import free_port
-from rollout.server import ServeConfig, serve
-from rollout.tokens import load_tokenizer
+from tests.conftest import serving
 
 FAST = PoolConfig(
     health_interval_s=0.05,
@@ -31,17 +30,9 @@ FAST = PoolConfig(
 @contextlib.asynccontextmanager
 async def running_server(port: int, model_dir: Path = EMBEDDED_MODEL):
     """A real server on 127.0.0.1:port in this event loop; stopped at exit."""
-    async with LocalEngine.from_pretrained(model_dir, LocalEngineConfig(max_batch_size=8)) as engine:
-        ready = asyncio.Event()
-        config = ServeConfig(model=str(model_dir), port=port)
-        task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
-        await asyncio.wait_for(ready.wait(), 30)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    engine = LocalEngine.from_pretrained(model_dir, LocalEngineConfig(max_batch_size=8))
+    async with engine, serving(engine, model_dir, port) as url:
+        yield url
 
 
 async def wait_until(condition, timeout_s: float = 10.0) -> None:
