@@ -30,13 +30,14 @@ sample at all (``present_mask`` picks the others).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-Scale = Literal["group", "batch", "none"]
-_SCALES = ("group", "batch", "none")
+from trainer.config import AdvantageScale as Scale
+
+_SCALES = get_args(Scale)
 
 
 def _check_scale(scale: str) -> None:

@@ -17,6 +17,10 @@ from data.config_tree import ConfigError, check_fields, load_tree, to_dict
 from rollout.config import CommonConfig, JudgeConfig, PromptsConfig, RolloutConfig
 from rollout.engines.config import EngineConfig
 
+AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
+AdvantageScale = Literal["group", "batch", "none"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
 
 def _calc_rollout(**changes: Any) -> RolloutConfig:
     """The rollout preset of training and evaluation on the calc task: few, short turns."""
@@ -48,11 +52,11 @@ class GRPOConfig(PromptsConfig):
     first ``prompts_per_step`` groups with signal (fewer when too many are filtered)."""
 
     # --- advantages ---
-    advantage_mode: Literal["trajectory", "broadcast", "per_step"] = "trajectory"
+    advantage_mode: AdvantageMode = "trajectory"
     """trajectory: one sample per trajectory (GRPO); broadcast: one sample per assistant turn, each
     with its trajectory's advantage; per_step: each turn gets its discounted Monte-Carlo return of
     step rewards (tool rewards + final), normalised within the group (``gamma``)."""
-    advantage_scale: Literal["group", "batch", "none"] = "group"
+    advantage_scale: AdvantageScale = "group"
     """Divide centred rewards by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO,
     Liu et al. 2025, which removes the std's difficulty bias)."""
     gamma: float = 1.0
@@ -64,7 +68,7 @@ class GRPOConfig(PromptsConfig):
     eps_high: float = 0.28
     """Upper clip, 1 + eps_high. Above eps_low is DAPO's clip-higher (Yu et al. 2025): more room for
     raising unlikely tokens keeps entropy from collapsing."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_aggregation: LossAggregation = "token-mean"
     """token-mean: every trained token weighs the same (DAPO); seq-mean-token-mean: each sequence
     weighs the same (original GRPO); seq-mean-token-sum-norm: token sums divided by one constant
     (Dr. GRPO, no length bias; ``loss_constant``). Normalised by global counts across processes."""

@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-_AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from trainer.config import LossAggregation as AggregationMode
+
+_AGGREGATION_MODES = get_args(AggregationMode)
 _LOG_RATIO_CLAMP = 20.0
 
 
