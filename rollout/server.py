@@ -4,7 +4,8 @@ Native API (as ``sglang.launch_server`` serves it), here: ``/generate`` (one req
 JSON or SSE-streamed), ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
 ``/pause_generation``, ``/continue_generation``. OpenAI-compatible (``rollout/server_openai.py``):
-``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``. ``sampling_params`` are read with
+SGLang's defaults and generations end where SGLang ends them (``rollout/server_generate.py``).
 
 Weight updates follow SGLang: ``/update_weights_from_disk`` waits for the requests in flight
 (or aborts them with ``abort_all_requests``) while new ones wait, so every ``/generate``
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,10 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from rollout.config import ServeConfig
-from rollout.engines.base import (
-    Engine,
-    EngineError,
-    FlushesCache,
-    Generation,
-    PartialGeneration,
-    SamplingParams,
-    StreamsGenerations,
-)
-from rollout.engines.sglang_protocol import generate_response, parse_weight_version, sampling_from_payload
+from rollout.engines.base import Engine, EngineError, FlushesCache, Generation, PartialGeneration, SamplingParams
+from rollout.engines.sglang_protocol import generate_response, parse_weight_version
 from rollout.faults import install_faults
+from rollout.server_generate import GenerateItem, eos_token_ids, generate_chunks, generate_items, output_text
 from rollout.server_http import BadRequest, error_response, json_body, json_response, model_config, sse_response
 from rollout.server_openai import OpenAIRoutes
 
@@ -59,6 +53,8 @@ class EngineServer:
         self.config = config
         self.model_name = config.served_model_name or Path(config.model).name
         self.vocab_size: int | None = model_config(config.model).get("vocab_size")
+        self.eos_token_ids = eos_token_ids(config.model, tokenizer)
+        """Where a generation ends unless ``ignore_eos`` (besides the request's ``stop_token_ids``)."""
         self.weight_version: int | None = None  # None until the first update ("default" in SGLang)
         self.started = time.time()
         self._open = asyncio.Event()  # set while new requests may start
@@ -128,9 +124,15 @@ class EngineServer:
                 async with self._idle:
                     self._idle.notify_all()
 
-    async def generate_tokens(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
-        async with self._admitted():
-            generation = await self.engine.generate(input_ids, sampling, rid)
+    async def generate_tokens(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, stop: Sequence[str] = ()
+    ) -> Generation:
+        """The engine's generation, ended where SGLang ends it (at a stop string too)."""
+        chunks = generate_chunks(self.engine, self.tokenizer, input_ids, sampling, rid, stop)
+        async with self._admitted(), contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                generation = chunk
+        assert isinstance(generation, Generation)
         self.counters["requests"] += 1
         self.counters["generated_tokens"] += len(generation.output_ids)
         self.counters["aborted"] += generation.finish_reason == "abort"
@@ -139,71 +141,18 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's ``/generate``: ``text`` or ``input_ids``, one or a batch."""
         body = await json_body(request)
-        items, batched = self._generate_items(body)
+        items, batched = generate_items(self, body)
         if body.get("stream"):
             if batched:
                 raise BadRequest("stream: streaming a batch is not supported; send one request per prompt")
-            return await self._generate_streamed(request, *items[0])
+            return await self._generate_streamed(request, items[0])
         started = time.monotonic()
         generations = await asyncio.gather(
-            *(self.generate_tokens(ids, sampling, rid) for ids, sampling, rid, _ in items)
+            *(self.generate_tokens(item.input_ids, item.sampling, item.rid, item.options.stop) for item in items)
         )
         latency = time.monotonic() - started
-        outputs = [
-            self._generate_output(ids, generation, rid, logprob, latency)
-            for (ids, _, rid, logprob), generation in zip(items, generations, strict=True)
-        ]
+        outputs = [self._generate_output(item, gen, latency) for item, gen in zip(items, generations, strict=True)]
         return json_response(outputs if batched else outputs[0])
-
-    def _generate_items(self, body: dict[str, Any]) -> tuple[list[tuple[list[int], SamplingParams, str, bool]], bool]:
-        """(input_ids, sampling, rid, return_logprob) per prompt, and whether the request was a batch."""
-        if "input_ids" in body and body["input_ids"] is not None:
-            prompts = body["input_ids"]
-            if not isinstance(prompts, list) or not prompts:
-                raise BadRequest("input_ids: expected a non-empty list of token ids (or a list of such lists)")
-            batched = isinstance(prompts[0], list)
-            prompts = prompts if batched else [prompts]
-            for i, ids in enumerate(prompts):
-                name = f"input_ids[{i}]" if batched else "input_ids"
-                if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-                    raise BadRequest(f"{name}: expected a non-empty list of token ids")
-                self.check_vocabulary(ids, name)
-        elif isinstance(body.get("text"), (str, list)):
-            texts = body["text"]
-            batched = isinstance(texts, list)
-            if not all(isinstance(t, str) for t in (texts if batched else [texts])):
-                raise BadRequest("text: expected a string or a list of strings")
-            prompts = [self.encode(t) for t in (texts if batched else [texts])]
-            if not all(prompts):
-                raise BadRequest("text: an empty prompt (no tokens)")
-        else:
-            raise BadRequest("give text or input_ids")
-        count = len(prompts)
-
-        def per_prompt(name: str, default: Any) -> list[Any]:
-            value = body.get(name, default)
-            if batched and isinstance(value, list):
-                if len(value) != count:
-                    raise BadRequest(f"{name}: {len(value)} values for {count} prompts")
-                return value
-            return [value] * count
-
-        params = per_prompt("sampling_params", {})
-        logprob = per_prompt("return_logprob", False)
-        rids = body.get("rid")
-        if rids is None:
-            rids = [uuid.uuid4().hex for _ in range(count)]
-        elif batched:
-            if not isinstance(rids, list) or len(rids) != count:
-                raise BadRequest(f"rid: expected a list of {count} request ids for a batch")
-        else:
-            rids = [rids]
-        try:
-            samplings = [sampling_from_payload(p) for p in params]
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        items = [(ids, s, str(r), bool(lp)) for ids, s, r, lp in zip(prompts, samplings, rids, logprob, strict=True)]
-        return items, batched
 
     def check_vocabulary(self, ids: list[int], name: str) -> None:
         low, high = min(ids), max(ids)
@@ -212,21 +161,22 @@ class EngineServer:
             raise BadRequest(f"{name}: token id {bad} is outside the vocabulary (0..{(self.vocab_size or 0) - 1})")
 
     def _generate_output(
-        self, input_ids: list[int], generation: Generation | PartialGeneration, rid: str, logprob: bool, latency: float
+        self, item: GenerateItem, generation: Generation | PartialGeneration, latency: float
     ) -> dict[str, Any]:
         """One ``/generate`` result object, as SGLang builds it."""
-        text = self.decode(generation.output_ids)
-        return generate_response(input_ids, generation, rid, text, self.version_text(), logprob, latency)
+        text = output_text(self.tokenizer, generation, item.options)
+        version = self.version_text()
+        return generate_response(item.input_ids, generation, item.rid, text, version, item.return_logprob, latency)
 
-    async def _generate_streamed(
-        self, request: web.Request, input_ids: list[int], sampling: SamplingParams, rid: str, logprob: bool
-    ) -> web.StreamResponse:
+    async def _generate_streamed(self, request: web.Request, item: GenerateItem) -> web.StreamResponse:
         """SSE: ``data: {...}`` with the cumulative text and ids after each step, then ``data: [DONE]``."""
         response = await sse_response(request)
         started = time.monotonic()
-        async with self._admitted():
-            async for chunk in _stream(self.engine, input_ids, sampling, rid):
-                output = self._generate_output(input_ids, chunk, rid, logprob, time.monotonic() - started)
+        stop = item.options.stop
+        chunks = generate_chunks(self.engine, self.tokenizer, item.input_ids, item.sampling, item.rid, stop, True)
+        async with self._admitted(), contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                output = self._generate_output(item, chunk, time.monotonic() - started)
                 await response.write(b"data: " + orjson.dumps(output) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -363,17 +313,6 @@ class EngineServer:
 
 
 # ----- helpers -------------------------------------------------------------------------------------
-
-
-async def _stream(
-    engine: Engine, input_ids: list[int], sampling: SamplingParams, rid: str
-) -> AsyncIterator[PartialGeneration | Generation]:
-    """The engine's own stream when it has one, else the whole generation as one chunk."""
-    if not isinstance(engine, StreamsGenerations):
-        yield await engine.generate(input_ids, sampling, rid)
-        return
-    async for chunk in engine.generate_stream(input_ids, sampling, rid):
-        yield chunk
 
 
 def load_weights_dir(path: Path) -> dict[str, torch.Tensor]:

@@ -49,8 +49,9 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def model_config(model_path: str) -> dict[str, Any]:
+def model_config(model_path: str, name: str = "config.json") -> dict[str, Any]:
+    """A JSON file of the model directory (``config.json``, ``generation_config.json``); {} when absent."""
     try:
-        return orjson.loads((Path(model_path) / "config.json").read_bytes())
+        return orjson.loads((Path(model_path) / name).read_bytes())
     except (OSError, orjson.JSONDecodeError):
         return {}

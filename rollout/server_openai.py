@@ -62,7 +62,7 @@ class OpenAIRoutes:
         sampling, n, stops = self._openai_sampling(body, [], default_max_tokens=16)
         jobs = [(ids, i * n + j) for i, ids in enumerate(prompts) for j in range(n)]
         generations = await asyncio.gather(
-            *(server.generate_tokens(ids, sampling, f"cmpl-{uuid.uuid4().hex}") for ids, _ in jobs)
+            *(server.generate_tokens(ids, sampling, f"cmpl-{uuid.uuid4().hex}", stops) for ids, _ in jobs)
         )
         choices, usage = [], _usage()
         for (ids, index), generation in zip(jobs, generations, strict=True):
@@ -92,7 +92,7 @@ class OpenAIRoutes:
             raise BadRequest(f"messages: {exc}") from None
         sampling, n, stops = self._openai_sampling(body, chat.stop_token_ids, default_max_tokens=4096)
         generations = await asyncio.gather(
-            *(server.generate_tokens(prompt_ids, sampling, f"chatcmpl-{uuid.uuid4().hex}") for _ in range(n))
+            *(server.generate_tokens(prompt_ids, sampling, f"chatcmpl-{uuid.uuid4().hex}", stops) for _ in range(n))
         )
         parser = get_parser(server.config.tool_parser)
         choices, usage = [], _usage()
@@ -154,7 +154,8 @@ class OpenAIRoutes:
         self, body: dict[str, Any], stop_token_ids: list[int], default_max_tokens: int
     ) -> tuple[SamplingParams, int, list[str]]:
         """SamplingParams, n and stop strings from an OpenAI request (the engine's context limit
-        ends a generation that asks for more than fits)."""
+        ends a generation that asks for more than fits). As in SGLang, the model's EOS ids end it
+        too, unless ``ignore_eos`` (which turns off every stop token)."""
         n = body.get("n") or 1
         if not isinstance(n, int) or n < 1:
             raise BadRequest(f"n: expected a positive integer, got {n!r}")
@@ -162,7 +163,14 @@ class OpenAIRoutes:
         stops = [stops] if isinstance(stops, str) else stops
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise BadRequest("stop: expected a string or a list of strings")
+        stops = [s for s in stops if s]
         extra = body.get("stop_token_ids") or []
+        if not isinstance(extra, list) or not all(type(t) is int for t in extra):
+            raise BadRequest("stop_token_ids: expected a list of token ids")
+        ignore_eos = body.get("ignore_eos") or False
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"ignore_eos: expected true or false, got {ignore_eos!r}")
+        stop_ids = [] if ignore_eos else sorted({*stop_token_ids, *extra, *self.server.eos_token_ids})
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
         try:
             sampling = SamplingParams(
@@ -170,7 +178,7 @@ class OpenAIRoutes:
                 temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
                 top_p=float(body.get("top_p") or 1.0),
                 top_k=int(body.get("top_k") or -1),
-                stop_token_ids=sorted({*stop_token_ids, *extra}),
+                stop_token_ids=stop_ids,
                 seed=body.get("seed"),
             )
         except (TypeError, ValueError) as exc:

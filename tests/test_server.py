@@ -103,8 +103,15 @@ async def get(client: TestClient, path: str) -> tuple[int, Any]:
         return response.status, json.loads(text) if text else text
 
 
-def generate_body(input_ids: Any, max_new_tokens: int = 8, temperature: float = 0.0, **extra: Any) -> dict[str, Any]:
-    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": []}
+def generate_body(
+    input_ids: Any,
+    max_new_tokens: int = 8,
+    temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A /generate body; ``sampling`` adds to (or overrides) the sampling_params."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": [], **(sampling or {})}
     return {"input_ids": input_ids, "sampling_params": params, **extra}
 
 
@@ -137,7 +144,7 @@ async def test_generate_by_input_ids_returns_text_output_ids_and_meta_info(clien
     status, body = await post(client, "/generate", generate_body(prompt, 8, rid="req-1"))
     assert status == 200
     assert len(body["output_ids"]) == 8
-    assert body["text"] == model_tokenizer.decode(body["output_ids"], skip_special_tokens=False)
+    assert body["text"] == model_tokenizer.decode(body["output_ids"], skip_special_tokens=True)
     meta = body["meta_info"]
     assert meta["id"] == "req-1"
     assert meta["finish_reason"] == {"type": "length", "length": 8}
@@ -156,7 +163,8 @@ async def test_generate_by_text_encodes_the_prompt(client, model_tokenizer):
 
 
 async def test_generate_with_a_list_of_input_ids_answers_a_list_in_order(client, prompt):
-    status, body = await post(client, "/generate", generate_body([prompt, prompt[:-3]], 4, rid=["a", "b"]))
+    body = generate_body([prompt, prompt[:-3]], 4, sampling={"ignore_eos": True}, rid=["a", "b"])
+    status, body = await post(client, "/generate", body)
     assert status == 200
     assert [item["meta_info"]["id"] for item in body] == ["a", "b"]
     assert [item["meta_info"]["prompt_tokens"] for item in body] == [len(prompt), len(prompt) - 3]

@@ -527,3 +527,21 @@ async def test_update_weights_with_a_state_dict_says_to_save_and_sync_from_disk(
     async with SGLangHTTPEngine("http://127.0.0.1:30000", FAST) as engine:
         with pytest.raises(EngineError, match=r"sync_weights_from_disk"):
             await engine.update_weights({})
+
+
+async def test_a_stop_token_in_the_last_allowed_slot_is_a_stop_as_in_process(tokenizer):
+    """SGLang (and rallyrl serve) check the length before the stop token, so a turn whose stop
+    token is its last allowed token comes back as "length"; the client reports it as the stop
+    it is, as the embedded engine in-process does."""
+    from rollout.tokens import ChatTokenizer
+    from tests.conftest import ScriptedEngine, serving
+
+    chat = ChatTokenizer(tokenizer)
+    model = ScriptedEngine(chat, lambda turn, prompt, rid: "hi")
+    budget = len(chat.encode("hi")) + 1
+    async with serving(model) as url, SGLangHTTPEngine(url) as client:
+        exact = SamplingParams(max_new_tokens=budget, stop_token_ids=chat.stop_token_ids)
+        generation = await client.generate(chat.encode("q"), exact, "r1")
+        assert generation.finish_reason == "stop" and generation.output_ids[-1] in chat.stop_token_ids
+        cut = await client.generate(chat.encode("q"), SamplingParams(max_new_tokens=budget - 1), "r2")
+        assert cut.finish_reason == "length"

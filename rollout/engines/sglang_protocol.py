@@ -13,8 +13,8 @@ A response looks like (other keys are tolerated)::
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Container
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Container, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
@@ -50,24 +50,88 @@ def generate_payload(input_ids: list[int], sampling: SamplingParams, rid: str) -
     }
 
 
-def sampling_from_payload(params: dict[str, Any] | None) -> SamplingParams:
-    """The inverse of ``sampling_params_payload`` for a server; unknown keys are ignored.
-    Raises ValueError naming the bad field."""
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a ``/generate`` request's ``sampling_params`` ask of a server beyond the engine's
+    ``SamplingParams``, with SGLang's defaults: the stop strings and how ``text`` is written.
+    ``output_ids`` and their logprobs are never trimmed (as in SGLang)."""
+
+    stop: tuple[str, ...] = ()
+    """Strings that end the generation at the token that completes one (SGLang's ``stop``)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (``<|im_end|>``) out of ``text``."""
+    spaces_between_special_tokens: bool = True
+    """Passed to the tokenizer's ``decode`` (slow tokenizers only put spaces there)."""
+    no_stop_trim: bool = False
+    """Keep the matched stop token or stop string in ``text`` (by default it is cut off)."""
+
+
+UNSUPPORTED_SAMPLING: dict[str, tuple[Any, str]] = {
+    "min_new_tokens": (0, "the engine cannot hold back its stop tokens"),
+    "n": (1, "send the prompt n times in a batch instead"),
+    "min_p": (0.0, "the engine samples with temperature, top_p and top_k only"),
+    "frequency_penalty": (0.0, "the engine applies no penalties"),
+    "presence_penalty": (0.0, "the engine applies no penalties"),
+    "repetition_penalty": (1.0, "the engine applies no penalties"),
+    "logit_bias": (None, "the engine applies no logit bias"),
+    "json_schema": (None, "there is no constrained decoding"),
+    "regex": (None, "there is no constrained decoding"),
+    "ebnf": (None, "there is no constrained decoding"),
+    "structural_tag": (None, "there is no constrained decoding"),
+    "stop_regex": (None, "use stop strings"),
+    "custom_params": (None, "there are no custom logit processors"),
+    "stream_interval": (1, "streams send every decode step"),
+}
+"""SGLang sampling parameters ``rallyrl serve`` does not implement: the one value accepted (SGLang's
+default, which changes nothing; ``None`` is accepted too) and why others are refused."""
+
+SUPPORTED_SAMPLING = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "seed", "stop",
+     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+)  # fmt: skip
+
+
+def sampling_from_payload(
+    params: dict[str, Any] | None, eos_token_ids: Sequence[int] = (), context_length: int | None = None
+) -> tuple[SamplingParams, OutputOptions]:
+    """A server's reading of ``sampling_params`` with SGLang's defaults (``null`` means the default):
+    the engine stops at ``stop_token_ids`` and at the model's ``eos_token_ids`` unless ``ignore_eos``
+    (which, as in SGLang, disables both); ``max_new_tokens`` null runs to ``context_length``.
+    Raises ValueError naming the field that is malformed or asks for what this server does not do."""
     params = params or {}
     if not isinstance(params, dict):
         raise ValueError("sampling_params: expected an object")
+    for name in params:
+        if name not in SUPPORTED_SAMPLING and name not in UNSUPPORTED_SAMPLING:
+            raise ValueError(f"sampling_params.{name}: not a sampling parameter of SGLang")
+    for name, (default, why) in UNSUPPORTED_SAMPLING.items():
+        value = params.get(name)
+        if not _changes_nothing(value, default):
+            accepted = "null" if default is None else repr(default)
+            raise ValueError(
+                f"sampling_params.{name}: only {accepted} is supported by rallyrl serve ({why}), got {value!r}"
+            )
     stop = params.get("stop_token_ids") or []
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         raise ValueError("sampling_params.stop_token_ids: expected a list of token ids")
     seed = params.get("sampling_seed", params.get("seed"))
 
     def number(name: str, kind: type, default: Any) -> Any:
-        value = params.get(name, default)
+        value = params.get(name)
+        value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             expected = "an integer" if kind is int else "a number"
             raise ValueError(f"sampling_params.{name}: expected {expected}, got {value!r}")
         return kind(value)
 
+    def flag(name: str, default: bool) -> bool:
+        value = params.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"sampling_params.{name}: expected true or false, got {value!r}")
+        return default if value is None else value
+
+    if params.get("max_new_tokens") is None and context_length is not None:
+        params = {**params, "max_new_tokens": context_length}  # SGLang: as many as the context holds
     values = {
         "max_new_tokens": number("max_new_tokens", int, 128),
         "temperature": number("temperature", float, 1.0),
@@ -75,10 +139,32 @@ def sampling_from_payload(params: dict[str, Any] | None) -> SamplingParams:
         "top_k": number("top_k", int, -1),
         "seed": None if seed is None else number("sampling_seed" if "sampling_seed" in params else "seed", int, 0),
     }
+    if values["top_k"] == 0 or values["top_k"] < -1:
+        raise ValueError(f"sampling_params.top_k: must be -1 (no cut) or at least 1, got {values['top_k']}")
+    stops = params.get("stop")
+    stops = [] if stops is None else [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"sampling_params.stop: expected a string or a list of non-empty strings, got {stops!r}")
+    options = OutputOptions(
+        stop=tuple(stops),
+        skip_special_tokens=flag("skip_special_tokens", True),
+        spaces_between_special_tokens=flag("spaces_between_special_tokens", True),
+        no_stop_trim=flag("no_stop_trim", False),
+    )
+    stop_token_ids = [] if flag("ignore_eos", False) else list(dict.fromkeys([*stop, *eos_token_ids]))
     try:
-        return SamplingParams(stop_token_ids=stop, **values)
+        return SamplingParams(stop_token_ids=stop_token_ids, **values), options
     except ValueError as exc:
         raise ValueError(f"sampling_params: {exc}") from None
+
+
+def _changes_nothing(value: Any, default: Any) -> bool:
+    """Whether a sampling parameter's value asks for nothing beyond SGLang's default."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return False
+    return value in ({}, []) if default is None else value == default
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -163,8 +249,11 @@ def generate_response(
 
 def finish_reason_payload(generation: Generation, message: str = "") -> dict[str, Any]:
     """SGLang's ``meta_info.finish_reason`` object for a finished generation."""
-    if generation.finish_reason == "stop":
-        return {"type": "stop", "matched": generation.output_ids[-1] if generation.output_ids else None}
+    if generation.finish_reason == "stop":  # the stop string matched, else the stop token
+        matched = generation.meta.get("matched_stop")
+        if matched is None and generation.output_ids:
+            matched = generation.output_ids[-1]
+        return {"type": "stop", "matched": matched}
     if generation.finish_reason == "length":
         return {"type": "length", "length": len(generation.output_ids)}
     return {"type": "abort", "message": message or "Aborted", "status_code": None, "err_type": None}
