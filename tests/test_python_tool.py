@@ -194,7 +194,7 @@ async def test_missing_code_is_an_error_for_the_model():
 @pytest.mark.parametrize(
     ("config", "message"),
     [({"timeout_s": 0}, "'timeout_s' must be a positive number"), ({"memory_mb": 1.5}, "'memory_mb' must be")]
-    + [({"disable": ["seccomp"]}, "'disable': unknown"), ({"timeout": 3}, "unknown key(s) ['timeout']")],
+    + [({"disable": ["firewall"]}, "'disable': unknown"), ({"timeout": 3}, "unknown key(s) ['timeout']")],
 )
 def test_bad_config_is_refused_with_the_key(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -208,8 +208,11 @@ async def test_the_sandbox_in_use_is_reported():
     assert ("nproc" in sandbox) != ("watchdog" in sandbox)
     assert response.metrics["network"] in {"netns", "landlock-tcp+socket-patch", "socket-patch"}
     bare, _ = await run(make_tool("bare"), "pass")
-    assert bare.metrics["sandbox"] == ["subreaper", "rlimits", "watchdog"]
-    assert bare.metrics["network"] == "socket-patch"
+    assert bare.metrics["sandbox"] == [
+        *("subreaper", "rlimits", "memory-per-process (disabled)", "watchdog", "no-seccomp (disabled)"),
+        "unix-ipc-open",
+    ]
+    assert bare.metrics["network"] == "socket-patch" and bare.metrics["ipc"] == "open"
 
 
 async def test_cancelled_call_leaves_no_process_and_no_directory():

@@ -1,12 +1,15 @@
 """A ``python`` tool: model-written Python runs in a sandboxed process tree, a fresh one per call.
 
     PythonTool.execute     asyncio, in the rollout process: caps output, bounds concurrency
-                           (tools/sandbox_run.py starts the supervisor and cleans up after it)
+                           (tools/sandbox_run.py makes the call's cgroup, tools/sandbox_cgroup.py,
+                           starts the supervisor and cleans up after it)
       supervisor           python -I -S, tools/sandbox_supervisor.py: child subreaper,
                            wall clock; SIGKILLs and reaps every descendant before it exits
-        init               pid 1 of a new PID namespace when the kernel allows: mounts, reaping
-          program          rlimits, own uid, no_new_privs, Landlock, then python -I main.py
-                           (the namespace, mount and Landlock calls: tools/sandbox_kernel.py)
+        init               pid 1 of a new PID namespace when the kernel allows: enters the
+                           call's cgroup first, then mounts; reaps
+          program          rlimits, own uid, no_new_privs, Landlock, seccomp, then python -I
+                           main.py (the namespace, mount and Landlock calls: tools/sandbox_kernel.py;
+                           the filter: tools/sandbox_seccomp.py; its first code: sandbox_bootstrap.py)
 
 Each mechanism is tried at run time and used when the kernel and our privileges allow it;
 ``ToolResponse.metrics["sandbox"]`` lists what a call got (``PythonTool.sandbox``, the last call's):
@@ -16,9 +19,18 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
   everything when the tool's process dies (PDEATHSIG) and init dies with it.
 - ``pidns``: the program lives in its own PID namespace; when init exits or is killed, the kernel
   kills everything left in it. Without root, a ``userns`` (same uid inside) is created first.
+- ``cgroup-v2-memory`` / ``cgroup-v1-memory`` (``-pids``, ``-cpu``): the call's processes are in a
+  cgroup of their own: ``memory_mb`` bounds them all together, with the tmpfs pages they write
+  (the working directory, /dev/shm), no swap; ``pids.max`` bounds their number; a CPU weight half a
+  normal process's. The kernel's OOM kills are reported as an error, ``metrics["memory_peak_mb"]``
+  and ``metrics["oom_killed"]`` say how much it used. Without a writable memory cgroup:
+  ``memory-per-process``, RLIMIT_AS alone (``max_processes`` x ``memory_mb`` per call).
 - ``mntns``: a private mount namespace: a size-limited tmpfs as the working directory
   (``tmpfs-workdir``), a private /dev/shm, a fresh /proc in the PID namespace (``private-proc``),
-  and every other mount read-only (``read-only-fs``).
+  every top-level directory but the system ones (/usr, /lib*, /bin, /sbin, /etc, /opt, /sys, /dev,
+  /proc) an empty tmpfs holding only the interpreter's paths and the working directory
+  (``private-dirs:/tmp,/run,/var,...``: no host Unix socket in them is reachable), an empty
+  /dev/mqueue, socket files in / and /dev covered, and every mount read-only (``read-only-fs``).
 - ``setuid``: as root, the program runs as a uid/gid of its own (SANDBOX_UIDS, else nobody), so
   RLIMIT_NPROC counts its processes alone and other users' files and processes are out of reach.
   Directories the interpreter needs but that uid cannot search (``/root`` for a pyenv Python) are
@@ -28,10 +40,17 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
   and the program's own /proc entry; writes only below the working directory (and to existing
   files under /dev); no TCP bind/connect (ABI 4+); no signals to, and no abstract sockets of,
   processes outside the sandbox (ABI 6+).
-- ``netns``: no network at all. Otherwise sockets other than AF_UNIX are refused by the program's
-  bootstrap (``socket-patch``: a speed bump only, ctypes or a subprocess get around it).
-- ``nproc`` when RLIMIT_NPROC binds (own uid, or a user namespace), else ``watchdog``: the
-  supervisor counts descendants every 10 ms and kills the tree past ``max_processes``.
+- ``netns``: no network at all, and no abstract Unix socket of the host (``ipcns`` with it: System V
+  IPC and POSIX message queues of its own). Otherwise sockets other than AF_UNIX are refused by the
+  program's bootstrap (``socket-patch``: a speed bump only, ctypes or a subprocess get around it).
+- ``seccomp:no-unix-sockets`` (x86_64 and aarch64): ``socket(AF_UNIX)`` and io_uring are refused
+  (EPERM), ``socketpair`` only for stream and seqpacket pairs: no IPC out of the sandbox whatever
+  the filesystem shows. ``metrics["ipc"]`` says what holds (``seccomp+private-dirs``, ``seccomp``,
+  ``private-dirs``, ``open``); without seccomp ``unix-ipc-open`` (or ``unix-ipc-partly-open`` when
+  only the private directories and the namespace stand) is in the list and logged as a warning.
+- ``nproc`` when RLIMIT_NPROC binds (own uid, or a user namespace), else the cgroup's pids.max,
+  else ``watchdog``: the supervisor counts descendants every 10 ms and kills the tree past
+  ``max_processes``. The program's oom_score_adj is 1000: on any OOM it is killed before the trainer.
 - ``rlimits`` (always): CPU seconds, address space, file size, open files, no core dumps.
 """
 
@@ -74,7 +93,9 @@ class PythonTool(BaseTool):
     Config keys:
       timeout_s (10): wall-clock limit; the program and every process it started are killed.
       cpu_s (10): CPU seconds per process (RLIMIT_CPU).
-      memory_mb (1024): address space per process (RLIMIT_AS); numpy/torch may need more.
+      memory_mb (1024): memory of the whole call: all its processes and the files it writes to its
+        tmpfs directories (a cgroup), and address space per process (RLIMIT_AS; numpy/torch may
+        need more); where no memory cgroup is writable, per process only (``memory-per-process``).
       file_size_mb (16): largest file the program may write (RLIMIT_FSIZE).
       disk_mb (256): size of the working directory, a tmpfs (in memory) when there is a mount
         namespace; without one only file_size_mb limits what the program writes there.
@@ -84,8 +105,8 @@ class PythonTool(BaseTool):
       max_output_chars (4000): longest stdout + stderr returned (head and tail kept); a program
         writing more than max(1 MiB, 100 * this) bytes is killed.
       max_concurrent (4): programs running at once in this tool; further calls wait their turn.
-      disable ([]): mechanisms not to use, from userns, pidns, netns, mntns, setuid, landlock
-        (for testing the fallbacks; the strongest available ones are used otherwise).
+      disable ([]): mechanisms not to use, from userns, pidns, netns, mntns, setuid, landlock,
+        seccomp, cgroup (for testing the fallbacks; the strongest available ones are used otherwise).
     """
 
     def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
@@ -147,6 +168,11 @@ class PythonTool(BaseTool):
             return f"killed: the program wrote more than {self.output_kill_bytes} bytes of output"
         if run.backstop:
             return f"timed out after {self.timeout_s:g} s; the sandbox did not stop in time and was killed"
+        if report.get("oom_killed"):
+            return (
+                f"killed: memory limit of {self.memory_mb} MB exceeded (all the program's processes and files "
+                f"together); the kernel killed {report['oom_killed']} of its processes"
+            )
         if report.get("reason") == "timeout":
             return f"timed out after {self.timeout_s:g} s; the program and all its processes were killed"
         if report.get("reason") == "processes":
@@ -195,6 +221,13 @@ class PythonTool(BaseTool):
         if run.report.get("mechanisms") and run.report["mechanisms"] != self.sandbox:
             self.sandbox = list(run.report["mechanisms"])
             logger.info("python tool sandbox: %s; network: %s", self.sandbox, run.report.get("network"))
+            gaps = [item for item in self.sandbox if item.startswith(("unix-ipc-", "memory-per-process"))]
+            if gaps:
+                logger.warning(
+                    "python tool: sandbox gaps here: %s (unix-ipc: a program can connect to Unix sockets of this "
+                    "machine; memory-per-process: memory_mb bounds each process, not the call)",
+                    gaps,
+                )
             if not any(item.startswith(("setuid", "landlock", "read-only-fs")) for item in self.sandbox):
                 logger.warning(
                     "python tool: programs run with this process's own uid and no filesystem restriction "
@@ -208,6 +241,9 @@ class PythonTool(BaseTool):
             "exit_code": os.WEXITSTATUS(status_code) if status_code is not None and os.WIFEXITED(status_code) else None,
             "sandbox": list(run.report.get("mechanisms") or []),
             "network": run.report.get("network"),
+            "ipc": run.report.get("ipc"),
+            "memory_peak_mb": run.report.get("memory_peak_mb"),
+            "oom_killed": run.report.get("oom_killed"),
             "run_id": run.run_id,
             "wall_s": round(run.wall_s, 3),
             "cpu_s": run.report.get("cpu_s"),

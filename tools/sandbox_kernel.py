@@ -14,6 +14,7 @@ import struct
 from typing import Any
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWIPC = 0x08000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, LINUX_CAPABILITY_VERSION_3 = 47, 4, 0x20080522
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -170,16 +171,67 @@ def _remount_read_only(keep: set[str]) -> bool:
     return root_done
 
 
-def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None) -> tuple[list[str], bool]:
-    """Inside a fresh mount namespace: private propagation, the interpreter reachable for the
+def _cover(directory: str, keep: list[str]) -> None:
+    """Mount an empty tmpfs over ``directory``, with bind mounts of just the paths in ``keep`` below it."""
+    fds = {}
+    try:
+        for path in keep:
+            with contextlib.suppress(OSError):
+                fds[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+        for path, fd in fds.items():
+            os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.mkdir(path, 0o755)
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def hide_unlisted(visible: list[str], keep: list[str]) -> list[str]:
+    """The program's view of the filesystem from an allowlist: every top-level directory not in
+    ``visible`` (/tmp, /var, /run, /home, /root, /srv, /mnt, the repository ...) becomes an empty
+    tmpfs holding only the paths in ``keep`` below it (the interpreter's, the working directory),
+    and /dev/mqueue an empty one; a socket file in / or /dev is covered by /dev/null. No Unix socket
+    of the host stays reachable but those in the visible system directories. Returns what it hid."""
+    visible_set = {os.path.realpath(path) for path in visible} | {"/proc", "/dev", "/sys"}
+    keep = sorted({os.path.realpath(path) for path in keep})
+    keep = [path for path in keep if not any(path.startswith(other + "/") for other in keep)]
+    hidden = []
+    for directory in ("/", "/dev"):
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISSOCK(mode):
+                _mount("/dev/null", path, None, MS_BIND)
+                hidden.append(path)
+            elif stat.S_ISDIR(mode) and directory == "/" and path not in visible_set and path not in keep:
+                _cover(path, [kept for kept in keep if kept.startswith(path + "/")])
+                hidden.append(path)
+    if os.path.isdir("/dev/mqueue") and not os.path.islink("/dev/mqueue"):
+        with contextlib.suppress(OSError):
+            _mount("tmpfs", "/dev/mqueue", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
+            hidden.append("/dev/mqueue")
+    return hidden
+
+
+def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None, visible: list[str]) -> tuple[list[str], bool]:
+    """Inside a fresh mount namespace: private propagation, only ``visible`` and the interpreter's
+    paths left of the host's filesystem (``hide_unlisted``), the interpreter reachable for the
     sandbox uid, a writable working directory, a private /dev/shm and /proc, the rest read-only."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
     workdir, notes = cfg["workdir"], []
-    if uid is not None:
-        covered = _expose([*cfg["essential_paths"], *cfg["optional_paths"], workdir], uid, uid)
-        notes += [f"shadowed:{directory}" for directory in covered]
     with open(os.path.join(workdir, "main.py"), "rb") as f:
         program = f.read()
+    needed = [*cfg["essential_paths"], *cfg["optional_paths"], workdir]
+    hidden = hide_unlisted(visible, needed)
+    notes.append("private-dirs:" + ",".join(path for path in hidden if path.count("/") == 1))
+    if uid is not None:
+        covered = _expose(needed, uid, uid)
+        notes += [f"shadowed:{directory}" for directory in covered]
     uid, gid = (uid, uid) if uid is not None else (os.geteuid(), os.getegid())
     # a private, size-limited working directory (the host's stays empty but for main.py)
     _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=700,uid={uid},gid={gid}")

@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tools import sandbox_bootstrap as bootstrap
+from tools import sandbox_cgroup as cgroups
 from tools import sandbox_supervisor as supervisor
 
 logger = logging.getLogger(__name__)
@@ -42,8 +44,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(supervisor.__file
 
 @functools.cache
 def bootstrap_source() -> str:
-    """The program's first code (``python -c``): the supervisor's ``_run_user_program``, then a call of it."""
-    return inspect.getsource(supervisor._run_user_program) + "\n_run_user_program()\n"
+    """The program's first code (``python -c``): ``tools/sandbox_bootstrap.py``'s ``_run_user_program``, then a call."""
+    return inspect.getsource(bootstrap._run_user_program) + "\n_run_user_program()\n"
 
 
 @functools.cache
@@ -127,7 +129,7 @@ async def run_program(
     """Run ``code`` under a supervisor with ``limits`` (the tool's timeout_s, cpu_s, memory_mb,
     file_size_mb, disk_mb, max_processes, max_open_files and disable), keeping ``max_output_chars``
     of each stream's head and tail and stopping the program past ``output_kill_bytes`` of output.
-    Always kills what is left and removes the working directory."""
+    Always kills what is left and removes the working directory and the call's cgroup."""
     await asyncio.to_thread(interpreter_paths)  # a subprocess on the first call, cached after
     started = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="rallyrl-python-"))
@@ -135,10 +137,13 @@ async def run_program(
     proc: asyncio.subprocess.Process | None = None
     pumps: list[asyncio.Task[None]] = []
     report_read, report_write = os.pipe()  # the supervisor's JSON report comes back on this pipe
+    group: cgroups.CallCgroup | None = None
     try:
+        if "cgroup" not in limits["disable"]:
+            group = await asyncio.to_thread(cgroups.create, run.run_id, limits["memory_mb"], limits["max_processes"])
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        config = json.dumps(_supervisor_config(limits, run, workdir, report_write))
+        config = json.dumps(_supervisor_config(limits, run, workdir, report_write, group))
         proc = await asyncio.create_subprocess_exec(
             *(sys.executable, "-I", "-S", "-B", "-c", SUPERVISOR_LAUNCH, PACKAGE_ROOT, config),
             stdin=asyncio.subprocess.DEVNULL,
@@ -164,12 +169,14 @@ async def run_program(
             os.close(report_write)
         if proc is not None and proc.returncode is None:
             await _stop(proc)  # cancelled, or the backstop fired
-        await _finish(run, proc, pumps, report_read, workdir)
+        await _finish(run, proc, pumps, report_read, workdir, group)
         run.wall_s = time.monotonic() - started
     return run
 
 
-def _supervisor_config(limits: dict[str, Any], run: SandboxRun, workdir: str, report_fd: int) -> dict[str, Any]:
+def _supervisor_config(
+    limits: dict[str, Any], run: SandboxRun, workdir: str, report_fd: int, group: cgroups.CallCgroup | None
+) -> dict[str, Any]:
     essential, optional = interpreter_paths()  # cached by run_program
     bin_dir = os.path.dirname(os.path.abspath(sys.executable))
     env = {
@@ -200,6 +207,8 @@ def _supervisor_config(limits: dict[str, Any], run: SandboxRun, workdir: str, re
         "essential_paths": essential,
         "optional_paths": optional,
         "report_fd": report_fd,  # pass_fds keeps the number in the child
+        "cgroup_procs": group.procs_files() if group else [],  # init moves itself in through these
+        "cgroup_mechanisms": group.mechanisms if group else [],
     }
 
 
@@ -239,8 +248,10 @@ async def _finish(
     pumps: list[asyncio.Task[None]],
     report_read: int,
     workdir: str,
+    group: cgroups.CallCgroup | None,
 ) -> None:
-    """Read the report, make sure nothing of the call is left, remove the working directory."""
+    """Read the report, make sure nothing of the call is left, read the cgroup's memory peak and OOM
+    kills and remove it, remove the working directory."""
     try:
         data = b""
         if proc is not None:
@@ -264,4 +275,9 @@ async def _finish(
             await asyncio.gather(*pumps, return_exceptions=True)
     finally:
         os.close(report_read)
+        run.report.update(memory_peak_mb=None, oom_killed=None)
+        if group is not None:
+            run.report.update(await asyncio.to_thread(group.stats))
+            if not await asyncio.to_thread(group.remove):
+                logger.warning("python tool: could not remove the call's cgroup %s", sorted(set(group.dirs.values())))
         await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)

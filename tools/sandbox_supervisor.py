@@ -5,7 +5,8 @@ Standard library only (it runs isolated, before anything of rallyrl but ``tools`
 It becomes a child subreaper, starts ``init`` (pid 1 of a new PID namespace where the kernel
 allows), which sets up mounts, limits, the user and Landlock (``tools.sandbox_kernel``) and
 executes the program; it enforces the wall clock and kills and reaps every descendant before it
-exits. The mechanisms and their fallbacks are described in ``tools/python_sandbox.py``.
+exits. The mechanisms and their fallbacks are described in ``tools/python_sandbox.py``; the seccomp
+filter is ``tools.sandbox_seccomp``, the program's first code ``tools.sandbox_bootstrap``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from tools import sandbox_kernel as kernel
+from tools import sandbox_seccomp as seccomp
 
 SANDBOX_UIDS = range(1 << 30, (1 << 30) + (1 << 24))
 """As root, each call runs as a uid (and the same gid) drawn from here: no file or process on the
@@ -37,9 +39,14 @@ WATCHDOG_INTERVAL_S = 0.01
 
 SYSTEM_READ_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/opt", "/sys")
 """Readable under Landlock besides the interpreter's paths, the working directory, /dev and /proc/self
-(all of /proc when it is private): not /root, /home, /tmp, /var, /run, /srv, /mnt or the repository."""
-OPTIONAL_MECHANISMS = ("userns", "pidns", "netns", "mntns", "setuid", "landlock")
-"""Mechanisms the ``disable`` config key can turn off (the subreaper and rlimits always apply)."""
+(all of /proc when it is private): not /root, /home, /tmp, /var, /run, /srv, /mnt or the repository.
+Also the only top-level directories of the host a mount namespace leaves visible (with /dev, /proc)."""
+OPTIONAL_MECHANISMS = ("userns", "pidns", "netns", "mntns", "setuid", "landlock", "seccomp", "cgroup")
+"""Mechanisms the ``disable`` config key can turn off (the subreaper and rlimits always apply);
+``netns`` turns off the IPC namespace with the network namespace."""
+OOM_SCORE_ADJ = 1000
+"""The program's /proc/self/oom_score_adj: on any out-of-memory, in its cgroup or on the whole
+machine, the kernel kills the sandbox's processes before the trainer's."""
 
 
 class _Stop(Exception):
@@ -103,6 +110,7 @@ def _exec_program(
     shm: bool,
     netns: bool,
     own_proc: bool,
+    filtered: bool,
 ):
     """The program's process: limits, identity, restrictions, then exec the interpreter. Never returns;
     a failure before exec is written to ``err`` (close-on-exec, so exec success closes it empty)."""
@@ -121,6 +129,8 @@ def _exec_program(
         for which, value in limits.items():
             resource.setrlimit(which, value)
         os.chdir(cfg["workdir"])
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))  # as root this also becomes the lowest value it may set
         if uid is not None:
             kernel.switch_user(uid, uid)
         kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
@@ -136,6 +146,8 @@ def _exec_program(
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.closerange(3, err)
         os.closerange(err + 1, 4096)  # the supervisor opens only a handful
+        if filtered:
+            seccomp.install()  # last: no Unix sockets from here on
         mode = "network-namespace" if netns else "block-sockets"
         argv = [cfg["python"], "-I", "-B", "-u", "-c", cfg["bootstrap"], mode]
         os.execve(cfg["python"], argv, cfg["env"])
@@ -145,15 +157,35 @@ def _exec_program(
     os._exit(127)
 
 
-def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: bool, userns: bool) -> None:
-    """The program's parent (pid 1 of the PID namespace when there is one): sets up the rest of the
-    sandbox, starts the program, reports the mechanisms in use and, later, the program's exit."""
+def _enter_cgroup(cfg: dict[str, Any], cgroup_fds: list[int]) -> tuple[list[str], bool]:
+    """Move this process (init, before it starts anything) into the call's cgroup through the
+    ``cgroup.procs`` files the supervisor opened. Returns (mechanisms, whether pids.max binds)."""
+    try:
+        if not cgroup_fds:
+            raise OSError("no writable memory cgroup" if "cgroup" not in cfg["disable"] else "disabled")
+        for fd in cgroup_fds:
+            os.write(fd, b"0")  # 0: the writing process
+    except OSError as exc:
+        return [f"memory-per-process ({exc})"], False
+    finally:
+        for fd in cgroup_fds:
+            os.close(fd)
+    return list(cfg["cgroup_mechanisms"]), any(item.endswith("-pids") for item in cfg["cgroup_mechanisms"])
+
+
+def _init(
+    cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: bool, userns: bool, cgroup_fds: list[int]
+) -> None:
+    """The program's parent (pid 1 of the PID namespace when there is one): moves into the call's
+    cgroup, sets up the rest of the sandbox, starts the program, reports the mechanisms in use and,
+    later, the program's exit."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor's death takes the whole sandbox down
     if os.getppid() != (0 if pidns else supervisor_pid):
         os._exit(1)  # the supervisor died before prctl
+    cgroup, pids_bound = _enter_cgroup(cfg, cgroup_fds)
     disabled, root = set(cfg["disable"]), os.geteuid() == 0
-    mechanisms = ["subreaper", "rlimits", *(["userns"] if userns else []), *(["pidns"] if pidns else [])]
+    mechanisms = ["subreaper", "rlimits", *(["userns"] if userns else []), *(["pidns"] if pidns else []), *cgroup]
     mntns = netns = False
     if (root or userns) and "mntns" not in disabled:
         outer = os.readlink("/proc/self/ns/mnt")
@@ -164,6 +196,9 @@ def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: b
         with contextlib.suppress(OSError):
             kernel.unshare(kernel.CLONE_NEWNET)
             netns = True
+        with contextlib.suppress(OSError):
+            kernel.unshare(kernel.CLONE_NEWIPC)  # System V IPC and POSIX message queues of its own
+            mechanisms.append("ipcns")
     uid = None
     if root and "setuid" not in disabled:
         for candidate in cfg["uids"]:
@@ -175,7 +210,7 @@ def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: b
     shm = False
     if mntns:
         try:
-            notes, shm = kernel.setup_mounts(cfg, pidns, uid)
+            notes, shm = kernel.setup_mounts(cfg, pidns, uid, list(SYSTEM_READ_DIRS))
             mechanisms += ["mntns", *notes]
         except OSError as exc:
             mechanisms.append(f"mntns (setup incomplete: {exc})")
@@ -192,11 +227,20 @@ def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: b
     if uncapable:
         mechanisms.append("root-without-capabilities")
     nproc = uid is not None or userns  # RLIMIT_NPROC binds neither root nor, usefully, a uid with other processes
-    mechanisms.append("nproc" if nproc else "watchdog")
+    if nproc or not pids_bound:
+        mechanisms.append("nproc" if nproc else "watchdog")
     landlock = kernel.landlock_abi() if "landlock" not in disabled else 0
     if landlock:
         mechanisms.append(f"landlock:v{landlock}")
     network = "netns" if netns else "landlock-tcp+socket-patch" if landlock >= 4 else "socket-patch"
+    problem = "disabled" if "seccomp" in disabled else seccomp.unsupported()
+    filtered = problem is None
+    mechanisms.append("seccomp:no-unix-sockets" if filtered else f"no-seccomp ({problem})")
+    private_dirs = any(item.startswith("private-dirs") for item in mechanisms)
+    if not filtered:  # abstract sockets: the network namespace or Landlock 6+ separate them
+        abstract = netns or landlock >= 6
+        mechanisms.append("unix-ipc-partly-open" if private_dirs and abstract else "unix-ipc-open")
+    ipc = "+".join(["seccomp"] * filtered + ["private-dirs"] * private_dirs) or "open"
     err_read, err_write = os.pipe2(os.O_CLOEXEC)
     program = os.fork()
     if program == 0:
@@ -211,6 +255,7 @@ def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: b
             shm=shm,
             netns=netns,
             own_proc=own_proc,
+            filtered=filtered,
         )
     os.close(err_write)
     failure = b""
@@ -220,7 +265,8 @@ def _init(cfg: dict[str, Any], to_supervisor: int, supervisor_pid: int, pidns: b
         os.waitpid(program, 0)
         _send(to_supervisor, {"event": "error", "message": f"could not start the program: {failure.decode()}"})
         return
-    _send(to_supervisor, {"event": "started", "mechanisms": mechanisms, "network": network, "nproc": nproc})
+    started = {"event": "started", "mechanisms": mechanisms, "network": network, "ipc": ipc}
+    _send(to_supervisor, {**started, "nproc": nproc or pids_bound})
     while True:  # as pid 1, also reap orphans until the program itself exits
         pid, status, usage = os.wait4(-1, 0)
         if pid == program:
@@ -248,7 +294,7 @@ def _watch(cfg: dict[str, Any], report: dict[str, Any], init_pid: int, from_init
                 if message["event"] == "started":
                     started, deadline = True, time.monotonic() + cfg["timeout_s"]
                     watchdog = not message["nproc"]
-                    report.update(mechanisms=message["mechanisms"], network=message["network"])
+                    report.update(mechanisms=message["mechanisms"], network=message["network"], ipc=message["ipc"])
                 elif message["event"] == "exited":
                     report.update(status=message["status"], cpu_s=message["cpu_s"])
                 else:
@@ -270,6 +316,14 @@ def _supervise(cfg: dict[str, Any], report: dict[str, Any]) -> None:
         raise _Stop
     kernel.prctl(kernel.PR_SET_CHILD_SUBREAPER, 1)
     disabled, root = set(cfg["disable"]), os.geteuid() == 0
+    cgroup_fds: list[int] = []  # opened before any namespace, with the tool's credentials
+    try:
+        for path in cfg["cgroup_procs"]:
+            cgroup_fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except OSError:
+        for fd in cgroup_fds:
+            os.close(fd)
+        cgroup_fds = []
     userns = pidns = False
     if not root and "userns" not in disabled and kernel.user_namespace_works():
         kernel.enter_user_namespace()
@@ -285,13 +339,15 @@ def _supervise(cfg: dict[str, Any], report: dict[str, Any]) -> None:
         try:
             os.close(from_init)
             os.close(cfg["report_fd"])
-            _init(cfg, to_supervisor, supervisor_pid, pidns, userns)
+            _init(cfg, to_supervisor, supervisor_pid, pidns, userns, cgroup_fds)
         except BaseException as exc:
             message = f"sandbox setup failed: {type(exc).__name__}: {exc}"
             with contextlib.suppress(BaseException):
                 _send(to_supervisor, {"event": "error", "message": message})
         os._exit(0)
     os.close(to_supervisor)
+    for fd in cgroup_fds:
+        os.close(fd)
     _watch(cfg, report, init_pid, from_init)
 
 
@@ -299,7 +355,7 @@ def main() -> None:
     """Entry point of the supervisor process: ``argv[1]`` is the JSON config; the JSON report goes to
     ``report_fd``. Whatever happens, every descendant is dead and reaped before it exits."""
     cfg = json.loads(sys.argv[1])
-    report: dict[str, Any] = {"mechanisms": [], "network": None, "status": None, "cpu_s": None}
+    report: dict[str, Any] = {"mechanisms": [], "network": None, "ipc": None, "status": None, "cpu_s": None}
     report.update(reason=None, error=None)
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
@@ -314,57 +370,3 @@ def main() -> None:
         if os.getppid() != cfg["tool_pid"]:  # the tool died: nobody else will remove the directory
             shutil.rmtree(cfg["workdir"], ignore_errors=True)
         os.write(cfg["report_fd"], json.dumps(report).encode())
-
-
-def _run_user_program() -> None:
-    """The program's first code (``python -I -B -u -c <this> <mode>``): refuse non-AF_UNIX sockets when
-    there is no network namespace, then run main.py as ``__main__``; a traceback starts in main.py."""
-    import builtins
-    import sys
-    import traceback
-
-    import __main__
-
-    if sys.argv[1:] == ["block-sockets"]:
-        import _socket
-        import socket
-
-        def refuse() -> None:
-            raise PermissionError(13, "network access is disabled in this sandbox")
-
-        class GuardedSocket(_socket.socket):
-            def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-                if fileno is None and family != _socket.AF_UNIX:
-                    refuse()
-                super().__init__(family, type, proto, fileno)
-
-        socket_init = socket.socket.__init__
-
-        def guarded_init(self, family=-1, type=-1, proto=-1, fileno=None):
-            if fileno is None and family != socket.AF_UNIX:
-                refuse()
-            socket_init(self, family, type, proto, fileno)
-
-        socket.socket.__init__ = guarded_init
-        _socket.socket = _socket.SocketType = GuardedSocket
-    sys.argv = ["main.py"]
-    with open("main.py", "rb") as f:
-        source = f.read()
-    try:
-        code = compile(source, "main.py", "exec")
-    except (SyntaxError, ValueError) as exc:
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
-        sys.exit(1)
-    namespace = __main__.__dict__
-    namespace.clear()
-    namespace.update(__name__="__main__", __file__="main.py", __builtins__=builtins, __doc__=None)
-    try:
-        exec(code, namespace)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
-            tb = tb.tb_next
-        traceback.print_exception(type(exc), exc, tb)
-        sys.exit(1)
