@@ -125,8 +125,7 @@ def rollout(
         "rollout.tool_parser": tool_parser, "engine.local.device": device, "engine.urls": engine_url or None,
         "engine.kind": engine, "judge.url": judge_url, "judge.max_concurrency": judge_concurrency,
     }  # fmt: skip
-    from rollout.api import load_prompts
-    from rollout.api import rollout as run_rollout
+    from rollout.api import load_prompts, rollout_summary
     from rollout.output_file import count_lines, finished_pairs, output_lock
 
     with _errors_for_people():
@@ -138,7 +137,7 @@ def rollout(
         with _errors_for_people():
             stack.enter_context(output_lock(out_path))  # held until the command ends
             done = finished_pairs(out_path, len(records), job.samples_per_prompt) if job.resume else set()
-            result = asyncio.run(run_rollout(job, records, skip=done, console=console))
+            summary, ran = asyncio.run(rollout_summary(job, records, skip=done, console=console))
     except KeyboardInterrupt:
         total = len(records) * job.samples_per_prompt
         finished = count_lines(out_path)
@@ -148,11 +147,11 @@ def rollout(
         raise typer.Exit(code=130) from None
     finally:
         stack.close()
-    console.print(result.summary.table())
+    console.print(summary.table())
     if job.resume:
-        console.print(f"resumed: {len(done)} trajectories were already in {out_path}; added {len(result.requests)}")
+        console.print(f"resumed: {len(done)} trajectories were already in {out_path}; added {ran}")
     else:
-        console.print(f"wrote {len(result.requests)} trajectories to {out_path}")
+        console.print(f"wrote {ran} trajectories to {out_path}")
 
 
 @app.command()

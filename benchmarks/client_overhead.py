@@ -1,133 +1,178 @@
-"""Per-turn client cost, piece by piece: what one assistant turn of W1 costs rallyrl's client.
+"""Where a turn's client CPU goes, piece by piece, measured inside a real W1 run.
 
-    python -m benchmarks.client_overhead [--repeat 2000]
+    python -m benchmarks.client_overhead [--requests 1024]
 
-Each piece is timed alone on W1-shaped data (the embedded model's tokenizer and template, a
-conversation of four turns, a 64-token output): rendering and delta tokenization of the tool
-result, decoding and parsing the output, checking the call's arguments, encoding the request
-and decoding the response JSON, and one HTTP round trip's client CPU against the simulated
-server (its own process) with no decode time. Per-request work (the first prompt, the consistency check, the tool's
-create and release) is divided by the workload's four turns. The sum is compared with the
-client CPU per turn that ``benchmarks/tool_concurrency.py`` measures on a whole W1 run; the
-difference is the event loop, task switching, tracing and garbage collection.
+rallyrl runs W1 (``benchmarks/workloads.py``) against the simulated server, as ``rallyrl bench``
+runs it, with each piece of a turn wrapped in a CPU-time meter (``time.thread_time`` around
+every call, and around every step of the coroutines); the time of a piece excludes the pieces
+called inside it. Pieces done once per request (the prompt, the final consistency check, the
+tool's create and release) are divided among the request's turns. The bare client
+(``benchmarks/bare_client.py``) runs the same workload after it, metered the same way, for
+the ratio. The meters cost a few microseconds a turn themselves: the totals are a little above
+``rallyrl bench``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+import types
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.table import Table
 
+import rollout.engines.sglang_http as sglang_http
+import rollout.loop as loop
+import rollout.runner as runner
+from benchmarks import clients
+from benchmarks.bare_client import BareClient
+from benchmarks.sim_server import raise_fd_limit
+from benchmarks.sim_tools import SimTool
 from benchmarks.tool_concurrency import sim_server
-from benchmarks.workloads import TOOL_RESULT, W1, Scenario
-from rollout.engines.base import SamplingParams
-from rollout.engines.sglang_http import SGLangHTTPEngine
-from rollout.engines.sglang_protocol import generate_payload, parse_generation
-from rollout.parsers import get_parser
+from benchmarks.workloads import W1, Scenario
+from rollout.request import AsyncRolloutRequest
+from rollout.tokens import ChatTokenizer
 
 
-def per_call_us(fn: Callable[[], Any], repeat: int) -> float:
-    fn()
-    started = time.process_time()
-    for _ in range(repeat):
-        fn()
-    return (time.process_time() - started) / repeat * 1e6
+class Meter:
+    """Exclusive CPU time per label: a piece's time, less the metered pieces inside it."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self._stack: list[list[Any]] = []
+
+    def enter(self, label: str) -> None:
+        self._stack.append([label, time.thread_time(), 0.0])
+
+    def exit(self) -> None:
+        label, start, inner = self._stack.pop()
+        spent = time.thread_time() - start
+        self.seconds[label] += spent - inner
+        if self._stack:
+            self._stack[-1][2] += spent
+
+    def sync(self, function: Any, label: str) -> Any:
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            self.enter(label)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.exit()
+
+        return metered
+
+    def coroutine(self, function: Any, label: str) -> Any:
+        """Every step of the coroutine ``function`` returns is metered."""
+        meter = self
+
+        @types.coroutine
+        def stepped(coroutine: Any) -> Any:
+            value, error = None, None
+            while True:
+                meter.enter(label)
+                try:
+                    waiting_on = coroutine.throw(error) if error is not None else coroutine.send(value)
+                except StopIteration as done:
+                    return done.value
+                finally:
+                    meter.exit()
+                value, error = None, None
+                try:
+                    value = yield waiting_on
+                except BaseException as exc:  # cancellation, passed on
+                    error = exc
+
+        async def metered(*args: Any, **kwargs: Any) -> Any:
+            return await stepped(function(*args, **kwargs))
+
+        return metered
 
 
-async def http_round_trip_us(url: str, input_ids: list[int], sampling: SamplingParams, repeat: int) -> float:
-    """Client CPU of one ``SGLangHTTPEngine.generate``, 64 in flight, against the simulated
-    server in its own process with no decode time (so only the client's CPU is counted)."""
-    batch = 64
-    async with SGLangHTTPEngine(url) as engine:
-        await asyncio.gather(*(engine.generate(input_ids, sampling, f"warm-{i}") for i in range(batch)))
-        rounds = max(repeat // batch, 1)
-        started = time.process_time()
-        for round_ in range(rounds):
-            await asyncio.gather(*(engine.generate(input_ids, sampling, f"r{round_}-{i}") for i in range(batch)))
-        return (time.process_time() - started) / (rounds * batch) * 1e6
+SYNC = {  # (owner, attribute): piece
+    (ChatTokenizer, "prompt"): "render + tokenize the first prompt (once per request)",
+    (ChatTokenizer, "delta"): "tool result: render (cached template pieces) + tokenize",
+    (ChatTokenizer, "add_output"): "incremental check: the output's segment",
+    (ChatTokenizer, "add_context"): "incremental check: glue and tool result",
+    (ChatTokenizer, "check_consistency"): "final check: re-render, compare text (once per request)",
+    (ChatTokenizer, "assistant_text"): "decode the output",
+    (sglang_http, "parse_generation"): "read the response (ids, logprobs, finish reason)",
+    (AsyncRolloutRequest, "transition"): "trace (state transitions)",
+    (AsyncRolloutRequest, "append_generated"): "token lists (ids, mask, logprobs, versions)",
+    (AsyncRolloutRequest, "append_context"): "token lists (ids, mask, logprobs, versions)",
+}
+ASYNC = {
+    (clients.CountingEngine, "generate"): "HTTP round trip (engine client, aiohttp)",
+    (SimTool, "create"): "the tool itself (create, execute, reward, release)",
+    (SimTool, "execute"): "the tool itself (create, execute, reward, release)",
+    (SimTool, "calc_reward"): "the tool itself (create, execute, reward, release)",
+    (SimTool, "release"): "the tool itself (create, execute, reward, release)",
+    (loop, "_call_tools"): "tool-call bookkeeping (records, arguments, timeout)",
+    (runner, "run_request"): "the rest of run_request (loop, parse the call, sampling, reward)",
+}
+BARE = {(BareClient, "one"): "bare client: its request coroutines"}
 
 
-def breakdown(repeat: int) -> list[tuple[str, float, str]]:
-    """(piece, microseconds per turn, what it covers)."""
-    scenario = Scenario.build(W1)
-    chat, tool, turns = scenario.chat, scenario.tool, W1.turns
-    parser = get_parser("qwen25")
-    record = scenario.records()[0]
-    messages = list(record.prompt)
-    output = scenario.tool_turn_ids
-    text = chat.assistant_text(output)
-    conversation = [*messages]
-    for _ in range(turns - 1):
-        conversation += [{"role": "assistant", "content": text}, {"role": "tool", "content": TOOL_RESULT}]
-    conversation.append({"role": "assistant", "content": chat.assistant_text(scenario.final_ids)})
-    all_ids = chat.encode(chat.render(conversation))
-    tool_message = [{"role": "tool", "content": TOOL_RESULT}]
-    sampling = SamplingParams(max_new_tokens=W1.tokens_per_turn, stop_token_ids=chat.stop_token_ids)
-    input_ids = all_ids[: scenario.prompt_tokens + 2 * (len(output) + scenario.delta_tokens)]
-    response = orjson.dumps(
-        {
-            "text": text,
-            "output_ids": output,
-            "meta_info": {
-                "id": "r#1",
-                "finish_reason": {"type": "stop", "matched": output[-1]},
-                "output_token_logprobs": [[-0.1, t, None] for t in output],
-                "weight_version": "default",
-            },
-        }
-    )
+@contextlib.contextmanager
+def metered(meter: Meter, sync: dict, coroutines: dict) -> Iterator[None]:
+    """The pieces wrapped in ``meter`` while inside (methods on their class, functions in their module)."""
+    originals = {key: key[0].__dict__.get(key[1]) for key in [*sync, *coroutines]}
+    try:
+        for (owner, name), label in sync.items():
+            setattr(owner, name, meter.sync(getattr(owner, name), label))
+        for (owner, name), label in coroutines.items():
+            wrapped = meter.coroutine(getattr(owner, name), label)
+            if isinstance(owner, type):  # a method: a function, so that it binds like the original
+                setattr(owner, name, lambda self, *args, _wrapped=wrapped, **kwargs: _wrapped(self, *args, **kwargs))
+            else:
+                setattr(owner, name, wrapped)
+        yield
+    finally:
+        for (owner, name), original in originals.items():
+            if original is None:
+                delattr(owner, name)  # it was inherited
+            else:
+                setattr(owner, name, original)
 
-    async def tool_life_us() -> float:
-        started = time.process_time()
-        for _ in range(repeat):
-            instance = await tool.create(None, latencies=[0.0])
-            await tool.release(instance)
-        return (time.process_time() - started) / repeat * 1e6
 
-    instant = Scenario.build(dataclasses.replace(W1, decode_step_s=0.0, prefill_s_per_token=0.0, capacity=4096))
-    with sim_server(instant) as (url, _):
-        http_us = asyncio.run(http_round_trip_us(url, input_ids, sampling, repeat))
-
-    rows = [
-        ("render + tokenize tool result", per_call_us(lambda: chat.delta_ids(tool_message), repeat),
-         "delta rendering of the tool message and the next generation prompt"),
-        ("assistant glue", per_call_us(lambda: chat.assistant_close_ids(output), repeat), "the template's turn close"),
-        ("decode output", per_call_us(lambda: chat.assistant_text(output), repeat), "64 ids to text"),
-        ("parse tool call", per_call_us(lambda: parser(text), repeat), "qwen25 parser"),
-        ("check arguments", per_call_us(lambda: tool.check_arguments({}), repeat), "JSON-schema validation"),
-        ("encode request JSON", per_call_us(lambda: orjson.dumps(generate_payload(input_ids, sampling, "r#1")), repeat),
-         f"{len(input_ids)} input ids"),
-        ("decode response JSON", per_call_us(lambda: parse_generation(orjson.loads(response), "x", 0), repeat),
-         "ids, logprobs, finish reason"),
-        ("HTTP round trip (client)", http_us, "client CPU per /generate (aiohttp), warm connections"),
-        ("first prompt / turns", per_call_us(lambda: chat.prompt_ids(messages), repeat) / turns,
-         "render + tokenize the prompt once per request"),
-        ("consistency check / turns", per_call_us(lambda: chat.check_consistency(conversation, all_ids), repeat // 4)
-         / turns, "re-render and diff the whole conversation once per request"),
-        ("tool create + release / turns", asyncio.run(tool_life_us()) / turns, "once per request"),
-    ]  # fmt: skip
-    return rows
+def breakdown(requests: int) -> tuple[list[tuple[str, float]], float, float, float]:
+    """(piece, us per turn) for rallyrl, its total, the bare client's total and its coroutines' part."""
+    raise_fd_limit()
+    scenario = Scenario.build(dataclasses.replace(W1, requests=requests))
+    meter = Meter()
+    with sim_server(scenario) as (url, _), metered(meter, SYNC, ASYNC):
+        run = asyncio.run(clients.run_rallyrl(scenario, url))
+    turns = run.turns
+    rows = [(label, seconds / turns * 1e6) for label, seconds in meter.seconds.most_common()]
+    outside = run.cpu_s - sum(meter.seconds.values())
+    rows.append(("outside the requests: event loop, sockets, runner", outside / turns * 1e6))
+    bare_meter = Meter()
+    scenario = Scenario.build(dataclasses.replace(W1, requests=requests))
+    with sim_server(scenario) as (url, _), metered(bare_meter, {}, BARE):
+        bare = asyncio.run(clients.run_bare(scenario, url))
+    bare_inside = sum(bare_meter.seconds.values()) / bare.turns * 1e6
+    return rows, run.cpu_s / turns * 1e6, bare.cpu_s / bare.turns * 1e6, bare_inside
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=W1.requests)
     args = parser.parse_args()
-    rows = breakdown(args.repeat)
-    table = Table(title="client CPU per W1 turn, by piece")
+    rows, total, bare, bare_inside = breakdown(args.requests)
+    table = Table(title=f"client CPU per W1 turn, by piece ({args.requests} requests, meters on)")
     table.add_column("piece")
     table.add_column("us / turn", justify="right")
-    table.add_column("what")
-    for name, us, what in rows:
-        table.add_row(name, f"{us:.1f}", what)
-    table.add_row("sum", f"{sum(us for _, us, _ in rows):.1f}", "compare with the benchmark's CPU per turn")
+    for name, us in rows:
+        table.add_row(name, f"{us:.1f}")
+    table.add_row("rallyrl, total", f"{total:.1f}")
+    table.add_row("bare client, total", f"{bare:.1f}")
+    table.add_row("  of which in its request coroutines", f"{bare_inside:.1f}")
+    table.add_row("ratio", f"{total / bare:.2f}x")
     Console().print(table)
 
 

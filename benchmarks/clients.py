@@ -1,14 +1,15 @@
-"""The two clients the benchmark measures against the simulated server, over the same HTTP
-client (``SGLangHTTPEngine``), chat template, parser and tool:
+"""The clients the benchmark measures against the simulated server:
 
 - rallyrl: ``RolloutRunner`` with every request in flight, each moving on as soon as its own
   turn or tool call ends;
+- bare: the simplest correct trajectory-level client (``benchmarks/bare_client.py``: raw
+  aiohttp, text in and out), the yardstick of rallyrl's client CPU per turn;
 - batch-level: the whole batch generates and waits for its slowest member, runs every tool
   call and waits for the slowest, then starts the next turn (how a rollout built on one
-  ``generate(batch)`` call per turn behaves).
+  ``generate(batch)`` call per turn behaves), over rallyrl's HTTP client, template and parser.
 
-Both record each request's trace (generation and tool segments) for the timeline, and the
-client's CPU time, turns, and peak RSS while they run.
+Each records the client's CPU time, turns and peak RSS while it runs; rallyrl and the
+batch-level client also each request's trace (generation and tool segments) for the timeline.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.bare_client import BareClient
 from benchmarks.workloads import Scenario
 from rollout.engines.base import Generation, SamplingParams
 from rollout.engines.sglang_http import SGLangHTTPConfig, SGLangHTTPEngine
 from rollout.loop import RolloutConfig
 from rollout.parsers import get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
-from rollout.runner import RolloutRunner, request_from_record
+from rollout.runner import RolloutRunner, old_objects_frozen, request_from_record
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -59,9 +61,10 @@ class CountingEngine(SGLangHTTPEngine):
 
 
 class _Meter:
-    """Samples process CPU, finished turns and RSS every ``interval_s`` while a client runs."""
+    """Samples process CPU, finished turns and RSS every ``interval_s`` while a client runs
+    (``engine.turns_done`` counts the turns)."""
 
-    def __init__(self, engine: CountingEngine, interval_s: float = 0.25):
+    def __init__(self, engine: Any, interval_s: float = 0.25):
         self.engine, self.interval_s = engine, interval_s
         self.samples: list[tuple[float, int]] = []
         self.peak_rss = 0
@@ -90,7 +93,7 @@ def http_config() -> SGLangHTTPConfig:
     return SGLangHTTPConfig(timeout_s=3600, control_timeout_s=60, max_retries=2)
 
 
-async def _measured(engine: CountingEngine, work: Any) -> tuple[Any, float, float, _Meter]:
+async def _measured(engine: Any, work: Any) -> tuple[Any, float, float, _Meter]:
     meter = _Meter(engine)
     sampler = asyncio.create_task(meter.run())
     cpu0, t0 = time.process_time(), time.monotonic()
@@ -135,6 +138,27 @@ async def run_rallyrl(scenario: Scenario, url: str) -> ClientRun:
         t0 = time.monotonic()
         result, wall, cpu, meter = await _measured(engine, runner.run(records, 1))
     return _client_run(result.requests, t0, wall, cpu, meter)
+
+
+async def run_bare(scenario: Scenario, url: str) -> ClientRun:
+    """The bare client, every request at once; the objects that existed before it are left out
+    of the cyclic GC's walks, as the runner does for rallyrl."""
+    w, records = scenario.workload, scenario.records()
+    client = BareClient(url, scenario.tool, w.turns, w.tokens_per_turn, scenario.chat.stop_token_ids)
+    t0 = time.monotonic()
+    with old_objects_frozen():
+        _, wall, cpu, meter = await _measured(client, client.run(records))
+    return ClientRun(
+        makespan_s=wall,
+        request_latency_s=[t - t0 for t in client.finished_at],
+        turns=client.turns_done,
+        started=t0,
+        cpu_s=cpu,
+        peak_rss_mb=meter.peak_rss / 2**20,
+        cpu_per_turn_windows_us=meter.windows_us(),
+        segments=[[] for _ in records],
+        finish_reasons=dict(client.finish_reasons),
+    )
 
 
 async def run_batch_level(scenario: Scenario, url: str) -> ClientRun:

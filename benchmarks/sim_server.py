@@ -12,7 +12,9 @@ end of its L-th step. Requests arriving during a step wait for the next.
 Output ids are synthetic but consistent: a turn before the request's last is ``tool_turn_ids``
 (text ending in a ``<tool_call>`` and the stop token), the last is ``final_ids``. The server
 knows a request's turn from the tool responses in its prompt, and its cached prefix from the
-previous turn of the same conversation (the rid before ``#``).
+previous turn of the same conversation (the rid before ``#``). A request may send ``text``
+instead of ``input_ids`` (the bare client): the answer's ``text`` is always filled in (the stop
+token trimmed, as SGLang does), and the scenario's token counts stand in for a tokenizer.
 
 Steps keep to their schedule: a step that starts late (the process did not get the CPU in
 time) still ends when it was due, if it can, and its lateness is recorded, so that a server
@@ -51,6 +53,9 @@ class SimServer:
         self.tool_turn_ids: list[int] = config["tool_turn_ids"]
         self.final_ids: list[int] = config["final_ids"]
         self.tool_response_id: int = config["tool_response_id"]
+        self.texts = {"tool": config.get("tool_turn_text", ""), "final": config.get("final_text", "")}
+        self.prompt_tokens: int = config.get("prompt_tokens", 0)
+        self.delta_tokens: int = config.get("delta_tokens", 0)
         self._triples = {
             "tool": [[-0.1, t, None] for t in self.tool_turn_ids],
             "final": [[-0.1, t, None] for t in self.final_ids],
@@ -96,17 +101,22 @@ class SimServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        input_ids: list[int] = body["input_ids"]
         rid: str = body.get("rid") or ""
-        last = input_ids.count(self.tool_response_id) >= self.turns - 1
+        if "input_ids" in body:
+            prompt_tokens = len(body["input_ids"])
+            tool_turns_before = body["input_ids"].count(self.tool_response_id)
+        else:  # text in (the bare client): the scenario's token counts stand in for a tokenizer
+            tool_turns_before = body["text"].count("<tool_response>")
+            prompt_tokens = self.prompt_tokens + tool_turns_before * (len(self.tool_turn_ids) + self.delta_tokens)
+        last = tool_turns_before >= self.turns - 1
         kind = "final" if last else "tool"
         output = self.final_ids if last else self.tool_turn_ids
         max_new = (body.get("sampling_params") or {}).get("max_new_tokens", len(output))
         length = min(len(output), max_new)
         conversation = rid.split("#", 1)[0]
         cached = self.cached.get(conversation, 0)
-        new_tokens = len(input_ids) - cached if 0 < cached <= len(input_ids) else len(input_ids)
-        self.cached[conversation] = len(input_ids) + length
+        new_tokens = prompt_tokens - cached if 0 < cached <= prompt_tokens else prompt_tokens
+        self.cached[conversation] = prompt_tokens + length
         now = time.monotonic()
         if self.first_arrival is None:
             self.first_arrival = now
@@ -119,17 +129,18 @@ class SimServer:
         finish = (
             {"type": "stop", "matched": output[-1]} if length == len(output) else {"type": "length", "length": length}
         )
+        text = self.texts[kind] if length == len(output) else ""  # SGLang trims the matched stop token
         response = {
-            "text": "",
+            "text": text,
             "output_ids": output[:length],
             "meta_info": {
                 "id": rid,
                 "finish_reason": finish,
-                "prompt_tokens": len(input_ids),
+                "prompt_tokens": prompt_tokens,
                 "weight_version": "default",
                 "output_token_logprobs": self._triples[kind][:length],
                 "completion_tokens": length,
-                "cached_tokens": len(input_ids) - new_tokens,
+                "cached_tokens": prompt_tokens - new_tokens,
             },
         }
         return web.Response(body=orjson.dumps(response), content_type="application/json")

@@ -3,17 +3,19 @@
     python -m benchmarks.tool_concurrency [--workload W1|W2|W3|all] [--quick] [--json F] [--plot F]
     rallyrl bench ...   (the same)
 
-For each workload the three systems see the same server model and the same sampled tool
+For each workload the systems see the same server model and the same sampled tool
 latencies: (a) rallyrl, ``RolloutRunner`` over ``sglang_http`` against the simulated server
-(``benchmarks/sim_server.py``, a separate process on the same cores); (b) the batch-level
-baseline, a real client against a fresh simulated server; (c) the bound, a discrete-event
-simulation of the same server with zero client cost (``benchmarks/bound.py``), for an
-asynchronous client and for a batch-level one.
+(``benchmarks/sim_server.py``, a separate process on the same cores); (b) the bare client
+(``benchmarks/bare_client.py``: raw aiohttp, text in and out), the yardstick of client CPU;
+(c) the batch-level baseline, a real client; each against a fresh simulated server; (d) the
+bound, a discrete-event simulation of the same server with zero client cost
+(``benchmarks/bound.py``), for an asynchronous client and for a batch-level one.
 
 Reported: makespan, trajectories/s, efficiency (bound / measured), speedup over the
 batch-level baseline, p50 and p99 request latency, engine utilisation (busy slots over
-capacity x makespan), client CPU per turn (process CPU / turns, and the median over 0.25 s
-windows), peak RSS, and the simulated server's lateness (how late its steps started).
+capacity x makespan), client CPU per turn (process CPU / turns, its ratio to the bare
+client's in the same run, and the median over 0.25 s windows), peak RSS, and the simulated
+server's lateness (how late its steps started).
 A Markdown table, a JSON file and a PNG timeline (requests down, time across, colored by state).
 """
 
@@ -38,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bound import BoundResult, asynchronous_bound, batch_level_bound
-from benchmarks.clients import ClientRun, run_batch_level, run_rallyrl
+from benchmarks.clients import ClientRun, run_bare, run_batch_level, run_rallyrl
 from benchmarks.sim_server import raise_fd_limit
 from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
 from data.files import atomic_write_bytes, atomic_write_with
@@ -78,7 +80,7 @@ def percentile(values: list[float], q: float) -> float:
 def client_row(name: str, run: ClientRun, bound: BoundResult, baseline_s: float | None, server: dict, w: Workload):
     """A measured client. The median over windows is left out for the batch-level client: its
     turns finish in bursts in windows that did none of their work, so it would mean nothing."""
-    windows = run.cpu_per_turn_windows_us if name == "rallyrl" else []
+    windows = run.cpu_per_turn_windows_us if name != "batch-level" else []
     return {
         "system": name,
         "makespan_s": run.makespan_s,
@@ -119,13 +121,13 @@ def bound_row(name: str, bound: BoundResult, baseline_s: float | None, w: Worklo
 
 
 def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
-    """The bound, rallyrl and the batch-level baseline on one workload."""
+    """The bound, rallyrl, the bare client and the batch-level baseline on one workload."""
     scenario = Scenario.build(workload)
     console.print(f"[bold]{workload.describe()}[/]", highlight=False)
     bound = asynchronous_bound(scenario, keep_segments=True)
     batch_bound = batch_level_bound(scenario)
     runs: dict[str, tuple[ClientRun, dict]] = {}
-    for name, client in (("rallyrl", run_rallyrl), ("batch-level", run_batch_level)):
+    for name, client in (("rallyrl", run_rallyrl), ("bare", run_bare), ("batch-level", run_batch_level)):
         scenario = Scenario.build(workload)  # a fresh tool (its rate limit) for each client
         with sim_server(scenario) as (url, stats):
             started = time.monotonic()
@@ -136,9 +138,14 @@ def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
     rows = [
         bound_row("bound", bound, batch_bound.makespan_s, workload),
         client_row("rallyrl", runs["rallyrl"][0], bound, baseline_s, runs["rallyrl"][1], workload),
+        client_row("bare", runs["bare"][0], bound, baseline_s, runs["bare"][1], workload),
         bound_row("batch-level bound", batch_bound, None, workload),
         client_row("batch-level", runs["batch-level"][0], batch_bound, None, runs["batch-level"][1], workload),
     ]
+    bare_cpu = rows[2]["client_cpu_per_turn_us"]
+    for row in rows:
+        if "client_cpu_per_turn_us" in row:
+            row["cpu_per_turn_vs_bare"] = row["client_cpu_per_turn_us"] / bare_cpu
     return {
         "workload": workload.to_dict(),
         "description": workload.describe(),
@@ -164,6 +171,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ("latency_p99_s", "p99 s", "{:.2f}"),
         ("utilisation", "utilisation", "{:.2f}"),
         ("client_cpu_per_turn_us", "CPU/turn us", "{:.0f}"),
+        ("cpu_per_turn_vs_bare", "CPU/turn vs bare", "{:.2f}x"),
         ("client_cpu_per_turn_median_us", "median CPU/turn us", "{:.0f}"),
         ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
         ("server_lateness_p99_ms", "server late p99 ms", "{:.2f}"),
@@ -188,7 +196,8 @@ def rich_table(result: dict[str, Any]) -> Table:
     table = Table(title=result["description"], title_justify="left")
     keys = [
         "makespan_s", "efficiency", "speedup_over_batch", "latency_p50_s", "latency_p99_s", "utilisation",
-        "client_cpu_per_turn_us", "client_cpu_per_turn_median_us", "peak_rss_mb", "server_lateness_p99_ms",
+        "client_cpu_per_turn_us", "cpu_per_turn_vs_bare", "client_cpu_per_turn_median_us", "peak_rss_mb",
+        "server_lateness_p99_ms",
     ]  # fmt: skip
     table.add_column("system")
     for key in keys:

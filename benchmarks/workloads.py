@@ -144,6 +144,10 @@ class Scenario:
             "tool_turn_ids": self.tool_turn_ids,
             "final_ids": self.final_ids,
             "tool_response_id": self.tool_response_id,
+            "tool_turn_text": self.chat.assistant_text(self.tool_turn_ids),
+            "final_text": self.chat.assistant_text(self.final_ids),
+            "prompt_tokens": self.prompt_tokens,
+            "delta_tokens": self.delta_tokens,
         }
 
     def new_tokens(self, turn: int) -> int:

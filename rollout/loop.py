@@ -13,6 +13,9 @@ import asyncio
 import inspect
 import math
 import time
+import types
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import orjson
 
@@ -24,7 +27,10 @@ from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
 from rollout.tokens import ChatTokenizer
+from rollout.transcript import Transcript
 from tools.base import BaseTool, ToolError, ToolResponse
+
+T = TypeVar("T")
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
@@ -45,20 +51,21 @@ async def run_request(
     """Drive ``request`` from PENDING to COMPLETED. Never raises, except CancelledError."""
     created: list[tuple[BaseTool, str]] = []
     cancelled = False
+    transcript: Transcript | None = None  # the tokens' text, checked piece by piece (rollout/transcript.py)
     try:
         # PENDING: one instance of every tool for this request
         for name, tool in tools.items():
             create_kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
             try:
-                async with asyncio.timeout(config.tool_reward_timeout_s):
-                    instance_id = await tool.create(None, **create_kwargs)
+                instance_id = await within(tool.create(None, **create_kwargs), config.tool_reward_timeout_s)
             except Exception as exc:
                 raise ToolCreateError(f"create of tool {name} failed: {_describe(exc)}") from exc
             created.append((tool, instance_id))
             request.tool_instance_ids[name] = instance_id
-        request.prompt_ids = chat.prompt_ids(request.messages)
+        prompt_text, request.prompt_ids = chat.prompt(request.messages)
+        transcript = chat.transcript(prompt_text, request.prompt_ids)
         request.transition(RequestState.RUNNING)
-        await _converse(request, engine, chat, tools, config)
+        await _converse(request, engine, chat, tools, config, transcript)
     except asyncio.CancelledError:
         cancelled = True
         request.finish(FinishReason.ABORT, "cancelled")
@@ -72,7 +79,7 @@ async def run_request(
             request.transition(RequestState.COMPLETED)
         try:
             if not cancelled:
-                await _score(request, created, chat, config, reward_fn)
+                await _score(request, created, chat, config, reward_fn, transcript)
         finally:  # even when cancelled while scoring
             await _release(request, created, config)
     return request
@@ -80,6 +87,41 @@ async def run_request(
 
 class ToolCreateError(RuntimeError):
     """A tool's create failed or timed out: the request ends with this error."""
+
+
+async def within(awaitable: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``await awaitable`` with a timeout of ``timeout_s``, counted from now. A coroutine that
+    finishes without waiting (a tool's create, calc_reward or release, mostly) costs no timer:
+    the timer starts when it first waits."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    if not isinstance(awaitable, types.CoroutineType):  # another awaitable: the plain way
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    try:
+        waiting_on = awaitable.send(None)
+    except StopIteration as done:
+        return done.value
+    async with asyncio.timeout_at(deadline):
+        return await _resumed(awaitable, waiting_on)
+
+
+@types.coroutine
+def _resumed(coroutine: Coroutine[Any, Any, T], waiting_on: Any) -> Any:
+    """Go on with ``coroutine``, which has handed ``waiting_on`` to the event loop: what
+    ``await coroutine`` does from there (results and exceptions, cancellation included, pass through)."""
+    while True:
+        try:
+            sent = yield waiting_on
+        except BaseException as exc:
+            try:
+                waiting_on = coroutine.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                waiting_on = coroutine.send(sent)
+            except StopIteration as done:
+                return done.value
 
 
 def _describe(exc: BaseException) -> str:
@@ -94,6 +136,7 @@ async def _converse(
     chat: ChatTokenizer,
     tools: dict[str, BaseTool],
     config: RolloutConfig,
+    transcript: Transcript | None,
 ) -> None:
     """RUNNING <-> TOOL_CALLING until the model stops calling tools or a budget runs out."""
     parser = get_parser(config.tool_parser)
@@ -120,6 +163,7 @@ async def _converse(
             )
             text = chat.assistant_text(generation.output_ids)
             request.messages.append({"role": "assistant", "content": text})
+            chat.add_output(transcript, generation.output_ids, text)
         if generation.finish_reason == "abort":
             request.finish(FinishReason.ABORT, "aborted by the engine")
             return
@@ -138,7 +182,9 @@ async def _converse(
         records = await _call_tools(request, turn.calls, tools, config)
         tool_messages = [{"role": "tool", "content": record.text} for record in records]
         request.messages += tool_messages
-        request.append_context(chat.assistant_close_ids(generation.output_ids) + chat.delta_ids(tool_messages))
+        delta = chat.delta(tool_messages)
+        request.append_context(chat.assistant_close_ids(generation.output_ids) + delta[1])
+        chat.add_context(transcript, generation.output_ids, delta)
         request.transition(RequestState.RUNNING)
 
 
@@ -148,7 +194,10 @@ async def _call_tools(
     """Run the calls of one turn concurrently; one record (and tool message) per call, in order."""
     turn = request.metrics.turns
     allowed, skipped = calls[: config.max_parallel_calls], calls[config.max_parallel_calls :]
-    records = list(await asyncio.gather(*(_call_tool(request, turn, call, tools, config) for call in allowed)))
+    if len(allowed) == 1:  # no task for a single call
+        records = [await _call_tool(request, turn, allowed[0], tools, config)]
+    else:
+        records = list(await asyncio.gather(*(_call_tool(request, turn, call, tools, config) for call in allowed)))
     for call in skipped:
         message = f"skipped: at most {config.max_parallel_calls} tool calls are run per turn"
         records.append(ToolCallRecord(turn, call.name, call.arguments, f"Error: {message}", error=message))
@@ -178,14 +227,15 @@ async def _call_tool(
         execute_kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         try:
             instance_id = request.tool_instance_ids[call.name]
-            async with asyncio.timeout(config.tool_timeout_s):  # no extra task, unlike wait_for
-                response = await tool.execute(instance_id, call.arguments or {}, **execute_kwargs)
+            response = await within(tool.execute(instance_id, call.arguments or {}, **execute_kwargs),
+                                    config.tool_timeout_s)  # fmt: skip
             if not isinstance(response, ToolResponse):
                 raise TypeError(f"execute returned {type(response).__name__}, not ToolResponse")
             record.text, record.reward = str(response.text), float(response.reward)
             if not math.isfinite(record.reward):
                 raise ValueError(f"step reward {record.reward} is not a finite number")
-            record.metrics = orjson.loads(orjson.dumps(response.metrics, default=repr))  # JSON-safe, whatever it held
+            if type(response.metrics) is not dict or response.metrics:  # JSON-safe, whatever it held
+                record.metrics = orjson.loads(orjson.dumps(response.metrics, default=repr))
         except TimeoutError:
             error = f"tool {call.name} timed out after {config.tool_timeout_s:g} s"
         except ToolError as exc:
@@ -215,13 +265,14 @@ async def _score(
     chat: ChatTokenizer,
     config: RolloutConfig,
     reward_fn: RewardFn,
+    transcript: Transcript | None = None,
 ) -> None:
-    """COMPLETED: each tool's calc_reward, the graded answer, the final reward, the token check."""
+    """COMPLETED: each tool's calc_reward, the graded answer, the final reward, the token check
+    (against a full re-render, shown through the transcript where it holds)."""
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
         try:
-            async with asyncio.timeout(config.tool_reward_timeout_s):
-                reward = float(await tool.calc_reward(instance_id, **kwargs))
+            reward = float(await within(tool.calc_reward(instance_id, **kwargs), config.tool_reward_timeout_s))
             if not math.isfinite(reward):
                 raise ValueError(f"returned {reward}, not a finite number")
             request.rewards.tools[tool.name] = reward
@@ -248,7 +299,7 @@ async def _score(
         _note_error(request, f"the reward function failed: {type(exc).__name__}: {exc}")
     if config.check_consistency and request.prompt_ids:
         try:
-            report = chat.check_consistency(request.messages, request.all_ids)
+            report = chat.check_consistency(request.messages, request.all_ids, transcript)
             request.consistency_diff = None if report.ok else report.diff
         except Exception as exc:  # a message the template or tokenizer cannot take
             request.consistency_diff = f"the consistency check failed: {type(exc).__name__}: {exc}"
@@ -261,8 +312,7 @@ async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, s
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
         try:
-            async with asyncio.timeout(config.tool_reward_timeout_s):
-                await tool.release(instance_id, **kwargs)
+            await within(tool.release(instance_id, **kwargs), config.tool_reward_timeout_s)
         except asyncio.CancelledError as exc:
             cancelled = exc
         except Exception as exc:

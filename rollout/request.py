@@ -42,7 +42,7 @@ class ToolCallRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class TraceEvent:
     state: RequestState
     t: float  # time.monotonic()

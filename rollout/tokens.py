@@ -8,7 +8,13 @@
   rendered with and without the new messages, and only the suffix is tokenized, so a
   template that rewrites earlier turns cannot shift tokens already generated.
 - ``check_consistency`` re-renders the whole conversation and diffs it with the tokens
-  built turn by turn.
+  built turn by turn. With a ``Transcript`` of the conversation (``rollout/transcript.py``),
+  whose segments were checked as they were appended, the re-render is compared as text and
+  re-encoded only when something differs: the same report, without tokenizing it all again.
+- Rendering goes straight to the compiled template for plain ``{role, content}`` messages (the
+  wrapper rebuilds every message and schema first), once that is checked to give the wrapper's
+  text; the prompt is encoded segment by segment, the segments every prompt shares (system
+  prompt, tool schemas) once.
 """
 
 from __future__ import annotations
@@ -20,12 +26,21 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rollout.transcript import SegmentSplitter, Transcript
+
 _SENTINEL = "\u2063RALLYRL-ASSISTANT-CONTENT\u2063"
 _BASE_MESSAGES = [
     {"role": "user", "content": "base user turn"},
     {"role": "assistant", "content": _SENTINEL},
 ]
 
+
+_CONTENT = "\u2063RALLYRL-CONTENT-{}\u2063"
+_PROBE_CONTENTS = (
+    "", " ", "x", "  two words \n", '\n<tool_call>{"a": [1, "b"]}</tool_call>\n', "<tool_response>", "</think>",
+    "a\tb\r", "&<>\"'\\", "{{ x }} {% y %}", "\u65e5\u672c \U0001f600", "None", "0",
+)  # fmt: skip
+"""Contents a delta template must put in verbatim before the text around contents is reused."""
 
 _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
@@ -45,6 +60,65 @@ def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
     except Exception:  # an unusual backend: keep the wrapper
         return None
     return backend if same_ids and same_text else None
+
+
+Render = Any  # (messages, add_generation_prompt) -> str
+
+
+def _direct_renderer(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> Render | None:
+    """The compiled chat template called as ``apply_chat_template`` calls it, for plain messages;
+    None where the wrapper must be kept (the check is in ``ChatTokenizer.__init__``)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+
+        compiled = _compile_jinja_template(tokenizer.get_chat_template(None, tools))
+        plain_tools = _plain_template_data(tools)
+        kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
+    except Exception:  # another transformers: keep the wrapper
+        return None
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return compiled.render(
+            messages=messages, tools=plain_tools, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    return render
+
+
+class _Watched(str):
+    """A message content that notes whether the template did anything with it but print it:
+    any test, comparison, filter or method call on it sets its ``read`` (concatenation does not)."""
+
+    read = False
+
+
+def _watch(name: str) -> Any:
+    method = getattr(str, name)
+
+    def watched(self: _Watched, *args: Any, **kwargs: Any) -> Any:
+        object.__setattr__(self, "read", True)
+        return method(self, *args, **kwargs)
+
+    return watched
+
+
+_UNWATCHED = {"__str__", "__repr__", "__add__", "__new__", "__init__", "__getattribute__", "__setattr__", "__class__",
+              "__init_subclass__", "__subclasshook__", "__getnewargs__", "__reduce__", "__reduce_ex__", "__sizeof__",
+              "__dir__", "__doc__"}  # fmt: skip
+"""What printing, concatenating and building the content use: not a look at what it holds."""
+for _name in dir(str):
+    if _name not in _UNWATCHED and callable(getattr(str, _name)):
+        setattr(_Watched, _name, _watch(_name))
+
+
+def _plain(messages: list[dict[str, Any]]) -> bool:
+    """Only ``role`` and ``content`` strings: what the wrapper would pass to the template unchanged."""
+    for message in messages:
+        if type(message) is not dict or len(message) != 2:
+            return False
+        if type(message.get("content")) is not str or type(message.get("role")) is not str:
+            return False
+    return True
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -87,8 +161,18 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.tools = tools or None
         self._backend = None
+        self._splitter: SegmentSplitter | None = None
+        self._direct: Render | None = None
+        self._pieces: dict[tuple[str, ...], list[str] | None] = {}
         base_text = self.render(_BASE_MESSAGES)
+        direct = _direct_renderer(tokenizer, self.tools)
+        tool_turns = [{"role": "tool", "content": " t\n"}, {"role": "tool", "content": ""}]
+        probes = [(_BASE_MESSAGES, False), (_BASE_MESSAGES[:1], True),
+                  ([{"role": "system", "content": "s"}, *_BASE_MESSAGES, *tool_turns], True)]  # fmt: skip
+        if direct is not None and all(direct(m, g) == self.render(m, g) for m, g in probes):
+            self._direct = direct
         self._backend = _same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
+        self._splitter = SegmentSplitter.of(self._backend)
         cut = base_text.rfind(_SENTINEL)
         if cut < 0:
             raise TemplateError("the chat template does not render assistant content as given")
@@ -102,10 +186,18 @@ class ChatTokenizer:
         if tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
         self.stop_token_ids: list[int] = sorted(stop)
+        self._stop_text = {token: self.decode([token]) for token in self.stop_token_ids}
+        self._close_text = close_text
+        rest = self.turn_close_ids[1:]
+        first = self.decode(self.turn_close_ids[:1])
+        self._close_rest_text = close_text[len(first) :] if close_text.startswith(first) else self.decode(rest)
+        self._close_rest_trusted = self.encode(self._close_rest_text) == rest
 
     # ----- rendering ------------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        if self._direct is not None and _plain(messages):
+            return self._direct(messages, add_generation_prompt)
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -122,7 +214,14 @@ class ChatTokenizer:
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The first prompt: the conversation so far, tools included, and the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.prompt(messages)[1]
+
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The first prompt's text and ids."""
+        text = self.render(messages, add_generation_prompt=True)
+        if self._splitter is not None:
+            return text, self._splitter.encode(text, remember=True)
+        return text, self.encode(text)
 
     def assistant_text(self, output_ids: list[int]) -> str:
         """The assistant message content for engine output (without its closing stop token)."""
@@ -139,6 +238,20 @@ class ChatTokenizer:
 
     def delta_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
         """Tokens of ``new_messages`` (tool or user turns) plus the next generation prompt."""
+        return self.delta(new_messages)[1]
+
+    def delta(self, new_messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The text and ids of ``new_messages`` plus the next generation prompt."""
+        pieces = self._delta_pieces(tuple(m["role"] for m in new_messages)) if _plain(new_messages) else None
+        if pieces is None:
+            text = self._rendered_delta(new_messages)
+        else:  # the template's own text around the contents, rendered once for these roles
+            text = pieces[0]
+            for message, piece in zip(new_messages, pieces[1:], strict=True):
+                text += message["content"] + piece
+        return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
+
+    def _rendered_delta(self, new_messages: list[dict[str, Any]]) -> str:
         full = self.render(_BASE_MESSAGES + new_messages, add_generation_prompt=True)
         if not full.startswith(self._base_text):
             roles = ", ".join(m["role"] for m in new_messages)
@@ -146,18 +259,94 @@ class ChatTokenizer:
                 f"the chat template changes earlier turns when [{roles}] messages follow an assistant "
                 "turn, so they cannot be appended incrementally"
             )
-        return self.encode(full[len(self._base_text) :])
+        return full[len(self._base_text) :]
+
+    def _delta_pieces(self, roles: tuple[str, ...]) -> list[str] | None:
+        """The delta of messages with these roles as the text around their contents, when the
+        template puts each content in verbatim whatever it holds (checked on ``_PROBE_CONTENTS``);
+        None where it does not (the delta is then rendered every time)."""
+        if roles in self._pieces:
+            return self._pieces[roles]
+        if self._direct is None:
+            return None
+        sentinels = [_CONTENT.format(i) for i in range(len(roles))]
+        plain = [{"role": r, "content": c} for r, c in zip(roles, sentinels, strict=True)]
+        text = self._rendered_delta(plain)  # a TemplateError if the template rewrites history
+        contents = [_Watched(m["content"]) for m in plain]
+        messages = [{**m, "content": c} for m, c in zip(plain, contents, strict=True)]
+        watched = self._direct(_BASE_MESSAGES + messages, True)
+        read = any(content.read for content in contents)
+        pieces: list[str] | None = [] if not read and watched == self._base_text + text else None
+        for sentinel in sentinels if pieces is not None else ():
+            before, found, text = text.partition(sentinel)
+            if not found or sentinel in text:
+                pieces = None
+                break
+            pieces.append(before)  # type: ignore[union-attr]
+        if pieces is not None:
+            pieces.append(text)
+            for i in range(len(_PROBE_CONTENTS)):
+                contents = [_PROBE_CONTENTS[(i + k) % len(_PROBE_CONTENTS)] for k in range(len(roles))]
+                probe = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+                expected = self._rendered_delta(probe)
+                if expected != pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True)):
+                    pieces = None
+                    break
+        if len(self._pieces) < 64:
+            self._pieces[roles] = pieces
+        return pieces
+
+    # ----- the transcript: the incremental check ----------------------------------------------
+
+    def transcript(self, prompt_text: str, prompt_ids: list[int]) -> Transcript | None:
+        """A transcript that starts with the prompt (None: this tokenizer has no incremental check)."""
+        if self._splitter is None:
+            return None
+        transcript = Transcript(self._splitter)
+        transcript.append(prompt_text, prompt_ids, trusted=True)
+        return transcript
+
+    def add_output(self, transcript: Transcript | None, output_ids: list[int], content: str) -> None:
+        """Engine tokens and their text: the message content plus the stop token it left out."""
+        if transcript is not None:
+            stopped = bool(output_ids) and output_ids[-1] in self._stop_text
+            transcript.append(content + self._stop_text[output_ids[-1]] if stopped else content, output_ids, False)
+
+    def add_context(self, transcript: Transcript | None, output_ids: list[int], delta: tuple[str, list[int]]) -> None:
+        """The template's glue after the assistant turn (``assistant_close_ids``) and a delta."""
+        if transcript is None:
+            return
+        close = self.assistant_close_ids(output_ids)
+        if len(close) == len(self.turn_close_ids):
+            close_text, trusted = self._close_text, True
+        else:
+            close_text, trusted = self._close_rest_text, self._close_rest_trusted
+        delta_text, delta_ids = delta
+        if trusted and transcript.splitter.pattern.match(delta_text):  # cut at a split token: one encoded piece
+            transcript.append(close_text + delta_text, close + delta_ids, trusted=True)
+        else:
+            transcript.append(close_text, close, trusted)
+            transcript.append(delta_text, delta_ids, trusted=True)
 
     # ----- checking -------------------------------------------------------------------------
 
-    def check_consistency(self, messages: list[dict[str, Any]], ids: list[int]) -> ConsistencyReport:
+    def check_consistency(
+        self, messages: list[dict[str, Any]], ids: list[int], transcript: Transcript | None = None
+    ) -> ConsistencyReport:
         """Re-render ``messages`` in one go and compare with ``ids`` built turn by turn.
 
         A conversation that ends in an assistant turn may lack the template's closing glue
         (generation stopped there), so a missing tail equal to that glue is not a difference.
+        With the ``transcript`` of ``ids``, the re-render is compared as text first; it is
+        re-encoded only when that, or a segment's check, fails.
         """
         ends_with_assistant = messages[-1]["role"] == "assistant"
-        expected = self.encode(self.render(messages, add_generation_prompt=not ends_with_assistant))
+        rendered = self.render(messages, add_generation_prompt=not ends_with_assistant)
+        if transcript is not None:
+            tail = self._tail_beyond_transcript(rendered, ids, transcript, ends_with_assistant)
+            if tail is not None:
+                return ConsistencyReport(ok=True, expected_len=len(ids) + len(tail), actual_len=len(ids))
+        expected = self.encode(rendered)
         report = ConsistencyReport(ok=True, expected_len=len(expected), actual_len=len(ids))
         tail = expected[len(ids) :]
         allowed_tails = ([], self.turn_close_ids, self.turn_close_ids[1:]) if ends_with_assistant else ([],)
@@ -170,6 +359,27 @@ class ChatTokenizer:
         report.ok, report.first_mismatch = False, index
         report.diff = self._describe_mismatch(expected, ids, index)
         return report
+
+    def _tail_beyond_transcript(
+        self, rendered: str, ids: list[int], transcript: Transcript, ends_with_assistant: bool
+    ) -> list[int] | None:
+        """The allowed tail when ``rendered`` is shown to encode to ``ids`` plus it without
+        encoding it: the text is the transcript's and every segment checked. None: not shown."""
+        if not transcript.ok or not transcript.holds(ids):
+            return None
+        text = "".join(transcript.parts)
+        if rendered == text:
+            return [] if transcript.closes() else None
+        if not ends_with_assistant or not rendered.startswith(text):
+            return None
+        tail = rendered[len(text) :]
+        for tail_text, tail_ids, trusted in (
+            (self._close_text, self.turn_close_ids, True),
+            (self._close_rest_text, self.turn_close_ids[1:], self._close_rest_trusted),
+        ):
+            if tail == tail_text and transcript.extended(tail_text, tail_ids, trusted).closes():
+                return tail_ids
+        return None
 
     def _describe_mismatch(self, expected: list[int], actual: list[int], index: int, context: int = 24) -> str:
         def token(ids: list[int]) -> str:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from rich.console import Console
 
+from benchmarks.bare_client import BareClient
 from benchmarks.bound import asynchronous_bound, batch_level_bound
 from benchmarks.sim_tools import Fixed, LogNormal, SimTool, Uniform
 from benchmarks.tool_concurrency import run_benchmark, sim_server
@@ -90,6 +91,22 @@ async def test_the_simulated_server_answers_a_tool_call_then_the_final_answer():
     assert served["requests"] == 2 and served["steps"] >= 2 * W1.tokens_per_turn
 
 
+async def test_the_bare_client_writes_exactly_what_the_chat_template_renders():
+    built = Scenario.build(dataclasses.replace(W1, requests=3, decode_step_s=0.0005, tool_latency=Fixed(0.001)))
+    chat, records = built.chat, built.records()
+    with sim_server(built) as (url, _):
+        client = BareClient(url, built.tool, W1.turns, W1.tokens_per_turn, chat.stop_token_ids)
+        await client.run(records)
+    assert client.turns_done == 3 * W1.turns and client.finish_reasons == {"stop": 3}
+    for record, text in zip(records, client.conversations, strict=True):
+        messages = list(record.prompt)
+        for _ in range(W1.turns - 1):
+            messages += [{"role": "assistant", "content": chat.assistant_text(built.tool_turn_ids)},
+                         {"role": "tool", "content": "done"}]  # fmt: skip
+        messages.append({"role": "assistant", "content": chat.assistant_text(built.final_ids)})
+        assert chat.render(messages) == text + chat.decode(chat.turn_close_ids)
+
+
 def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
     fast_tool = LogNormal(0.02, 1.0)
     tiny = [
@@ -102,7 +119,7 @@ def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
     assert [r["workload"]["name"] for r in report] == ["W1", "W3"]
     for result in report:
         systems = [row["system"] for row in result["rows"]]
-        assert systems == ["bound", "rallyrl", "batch-level bound", "batch-level"]
+        assert systems == ["bound", "rallyrl", "bare", "batch-level bound", "batch-level"]
         rallyrl = result["rows"][1]
         for key in ("makespan_s", "efficiency", "speedup_over_batch", "latency_p50_s", "latency_p99_s",
                     "utilisation", "client_cpu_per_turn_us", "peak_rss_mb", "server_lateness_p99_ms"):  # fmt: skip
@@ -110,6 +127,9 @@ def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
         assert 0 < rallyrl["efficiency"] <= 1.05
         assert rallyrl["turns"] == result["workload"]["requests"] * result["workload"]["turns"]
         assert rallyrl["finish_reasons"] == {"stop": result["workload"]["requests"]}
+        bare = result["rows"][2]
+        assert bare["turns"] == rallyrl["turns"] and bare["cpu_per_turn_vs_bare"] == 1.0
+        assert rallyrl["cpu_per_turn_vs_bare"] == rallyrl["client_cpu_per_turn_us"] / bare["client_cpu_per_turn_us"]
     assert plot_path.stat().st_size > 10_000
     assert len(results[0]["timelines"]["rallyrl"]) == 24
 

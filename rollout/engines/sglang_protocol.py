@@ -275,8 +275,11 @@ async def generate_resuming(
     versions: list[int] = []
     resumes = 0
     while True:
-        budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
-        part = await generate_once(input_ids + output_ids, budget)
+        if output_ids:  # a resume: the rest of the budget after the tokens so far
+            budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
+            part = await generate_once(input_ids + output_ids, budget)
+        else:  # no copies on the first attempt
+            part = await generate_once(input_ids, sampling)
         output_ids += part.output_ids
         logprobs += part.output_logprobs
         versions += part.token_weight_versions()

@@ -1,0 +1,222 @@
+"""Checking a conversation's tokens as it is built, piece by piece (the incremental consistency check).
+
+A fast tokenizer first cuts its input at its *split tokens* (the added tokens matched before
+normalization: ``<|im_start|>``, ``<|im_end|>``, ...; without a normalizer, all added tokens)
+and encodes the text between two of them, a *segment*, on its own. So a conversation's ids
+equal a full re-encoding of its text exactly when the split tokens agree and every segment's
+ids are the encoding of that segment's text.
+``SegmentSplitter.of`` admits a tokenizer only when that holds for it (no strip or single-word
+rules on split tokens, none inside or overlapping another, no truncation or padding, and probes across every
+split token encode the same whole and in parts); otherwise there is no incremental check and
+``ChatTokenizer.check_consistency`` re-encodes the whole conversation, as it always did.
+
+``Transcript`` checks each segment once, when the split token that closes it is appended. A
+segment inside one piece that rallyrl encoded itself (the prompt, the template's glue, a tool
+result) holds by construction; a segment holding engine tokens, or spanning two pieces, is
+encoded and compared. What is left for the end is the text: one render of the whole
+conversation compared with the pieces' text. Whenever any of it fails, the full check decides,
+so the report is always the one a full re-render gives.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+_PROBES = ("", "a", " a", "a ", "\n", "\n\nb 1", "12")
+
+
+def _overlapping(texts: list[str]) -> bool:
+    """Whether a split token holds another, or ends with the start of one."""
+    if any(a != b and a in b for a in texts for b in texts):
+        return True
+    starts = {text[:i] for text in texts for i in range(1, len(text))}
+    return any(text[i:] in starts for text in texts for i in range(1, len(text)))
+
+
+class SegmentSplitter:
+    """The split tokens of a fast tokenizer, and encoding segment by segment with a cache."""
+
+    def __init__(self, backend: Any, id_of: dict[str, int]):
+        self.backend = backend
+        self.id_of = id_of
+        self.split_ids = frozenset(id_of.values())
+        alternatives = "|".join(re.escape(text) for text in sorted(id_of, key=len, reverse=True))
+        self.pattern = re.compile(f"({alternatives})")
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.cache_size = 512
+
+    @classmethod
+    def of(cls, backend: Any) -> SegmentSplitter | None:
+        """A splitter when encoding ``backend`` segment by segment is exactly encoding it whole."""
+        if backend is None or getattr(backend, "truncation", None) or getattr(backend, "padding", None):
+            return None
+        if getattr(backend, "encode_special_tokens", False):
+            return None
+        try:
+            added = backend.get_added_tokens_decoder()
+        except Exception:
+            return None
+        plain = backend.normalizer is None  # normalized added tokens then match the text as it is, too
+        id_of: dict[str, int] = {}
+        for token_id, token in added.items():
+            if token.normalized and not plain:
+                continue  # matched after normalization, inside a segment: the segment's encoding covers it
+            if token.lstrip or token.rstrip or token.single_word or not token.content:
+                return None
+            id_of[token.content] = token_id
+        if not id_of or len(id_of) > 512 or _overlapping(list(id_of)):
+            return None  # where a split falls could depend on what follows it
+        splitter = cls(backend, id_of)
+        return splitter if splitter._probes_agree() else None
+
+    def _probes_agree(self) -> bool:
+        def encode(text: str) -> list[int]:
+            return self.backend.encode(text, add_special_tokens=False).ids
+
+        try:
+            for text, token_id in list(self.id_of.items())[:64]:
+                for before in _PROBES:
+                    for after in _PROBES:
+                        if encode(before + text + after) != encode(before) + [token_id] + encode(after):
+                            return False
+        except Exception:
+            return False
+        return True
+
+    def encode_segment(self, text: str) -> list[int]:
+        """The ids of text that holds no split token."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str, remember: bool = False) -> list[int]:
+        """``backend.encode(text)``, segment by segment; a segment's ids are looked up in the cache
+        and, with ``remember``, kept there (the prompt's: a system prompt and tool schemas that
+        every request shares are encoded once)."""
+        ids: list[int] = []
+        cache, id_of = self._cache, self.id_of
+        for i, part in enumerate(self.pattern.split(text)):
+            if i % 2:
+                ids.append(id_of[part])
+            elif part:
+                hit = cache.get(part)
+                if hit is None:
+                    hit = self.backend.encode(part, add_special_tokens=False).ids
+                    if remember:
+                        cache[part] = hit
+                        if len(cache) > self.cache_size:
+                            cache.popitem(last=False)
+                elif remember:
+                    cache.move_to_end(part)
+                ids += hit
+        return ids
+
+
+def _positions(ids: list[int], wanted: frozenset[int]) -> list[int]:
+    """Where ``wanted`` ids occur in ``ids``, in order (searched in C, not id by id)."""
+    positions = []
+    for token in wanted.intersection(ids):
+        i = ids.index(token)
+        while True:
+            positions.append(i)
+            try:
+                i = ids.index(token, i + 1)
+            except ValueError:
+                break
+    positions.sort()
+    return positions
+
+
+class Transcript:
+    """The pieces of one conversation's text and ids, each segment checked when it closes.
+
+    ``ok`` stays True while every closed segment's ids are the encoding of its text; ``parts``
+    and ``id_parts`` hold what was appended, in order."""
+
+    def __init__(self, splitter: SegmentSplitter):
+        self.splitter = splitter
+        self.parts: list[str] = []
+        self.id_parts: list[list[int]] = []
+        self.ok = True
+        self._open_text = ""
+        self._open_ids: list[int] = []
+        self._open_trusted = True
+
+    def append(self, text: str, ids: list[int], trusted: bool) -> None:
+        """Add a piece. ``trusted``: ``ids`` is the tokenizer's own encoding of ``text``."""
+        self.parts.append(text)
+        self.id_parts.append(ids)
+        if self.ok:
+            self.ok = self._check(text, ids, trusted)
+
+    def _check(self, text: str, ids: list[int], trusted: bool) -> bool:
+        splitter, encode = self.splitter, self.splitter.encode_segment
+        open_text, open_ids = self._open_text, self._open_ids
+        if trusted and not open_text and not open_ids:
+            # the segments inside the piece hold by construction: only find its open tail
+            last = None
+            for last in splitter.pattern.finditer(text):  # noqa: B007 (the last match is wanted)
+                pass
+            j = len(ids) - 1
+            while j >= 0 and ids[j] not in splitter.split_ids:
+                j -= 1
+            if (last is None) != (j < 0):
+                return False
+            self._open_text = text if last is None else text[last.end() :]
+            self._open_ids = ids if j < 0 else ids[j + 1 :]
+            return True  # (still trusted)
+        pieces = splitter.pattern.split(open_text + text)
+        if len(pieces[0]) < len(open_text):
+            trusted = False  # a split token across the boundary: the piece was not encoded as it is cut here
+        ids = open_ids + ids
+        positions = _positions(ids, splitter.split_ids)
+        if len(positions) != len(pieces) // 2:
+            return False
+        start, unchecked = 0, []
+        for k, position in enumerate(positions):
+            if splitter.id_of[pieces[2 * k + 1]] != ids[position]:
+                return False
+            if k == 0:  # the open segment, closed by this piece
+                holds = self._open_trusted and len(pieces[0]) == len(open_text) and position == len(open_ids)
+            else:  # a segment inside the piece
+                holds = trusted
+            if not holds:
+                unchecked.append((pieces[2 * k], start, position))
+            start = position + 1
+        if len(unchecked) == 1:
+            segment, begin, end = unchecked[0]
+            if encode(segment) != ids[begin:end]:
+                return False
+        elif unchecked and encode("".join(pieces[: 2 * len(positions)])) != ids[:start]:
+            return False  # (several: one encoding of all that closed, cut by the split tokens the same way)
+        if positions:
+            self._open_trusted = trusted
+        else:  # the open segment grew
+            self._open_trusted = self._open_trusted and not text and len(ids) == len(open_ids)
+        self._open_text, self._open_ids = pieces[-1], ids[start:]
+        return True
+
+    def closes(self) -> bool:
+        """Whether everything appended checks out, the segment still open included."""
+        if not self.ok:
+            return False
+        if self._open_trusted or (not self._open_text and not self._open_ids):
+            return True
+        return self.splitter.encode_segment(self._open_text) == self._open_ids
+
+    def holds(self, ids: list[int]) -> bool:
+        """Whether ``ids`` is exactly the appended ids, in order."""
+        start = 0
+        for part in self.id_parts:
+            if ids[start : start + len(part)] != part:
+                return False
+            start += len(part)
+        return start == len(ids)
+
+    def extended(self, text: str, ids: list[int], trusted: bool) -> Transcript:
+        """A copy with one more piece (the template's tail after the last turn)."""
+        copy = Transcript(self.splitter)
+        copy.parts, copy.id_parts, copy.ok = [*self.parts], [*self.id_parts], self.ok
+        copy._open_text, copy._open_ids, copy._open_trusted = self._open_text, self._open_ids, self._open_trusted
+        copy.append(text, ids, trusted)
+        return copy
