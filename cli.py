@@ -53,12 +53,19 @@ def _config_class(command: str) -> type:
     return {"train": GRPOConfig, "eval": EvalConfig, "sft": SFTConfig}[command]
 
 
-def _load(command: str, path: Path | None, flags: dict[str, Any], sets: list[str] | None) -> Any:
-    """The command's config: defaults < the YAML file < flags given (dotted names) < --set."""
-    from data.config_tree import load_tree
+def _given(command: str, path: Path | None, flags: dict[str, Any], sets: list[str] | None) -> dict[str, Any]:
+    """What the YAML file, the flags given (dotted names) and --set say, in that order of precedence."""
+    from data.config_tree import given_values
 
     flags = {key: str(value) if isinstance(value, Path) else value for key, value in flags.items()}
-    return load_tree(_config_class(command), path, flags, sets)
+    return given_values(_config_class(command), path, flags, sets)
+
+
+def _load(command: str, path: Path | None, flags: dict[str, Any], sets: list[str] | None) -> Any:
+    """The command's config: defaults < the YAML file < flags given < --set."""
+    from data.config_tree import build
+
+    return build(_config_class(command), _given(command, path, flags, sets))
 
 
 @app.command("config")
@@ -217,8 +224,8 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on conversations or trajectories, loss on assistant tokens only.
     `--recipe tiny-calc --export data/assets/tiny-calc` rebuilds the embedded model."""
-    from data.config_tree import merge_dotted, parse_set, read_yaml
-    from trainer.sft import run_recipe, run_sft
+    from data.config_tree import build
+    from trainer.sft import SFTConfig, run_recipe, run_sft
 
     flags = {
         "out": out, "model": model, "data": data, "min_reward": min_reward, "num_examples": num_examples,
@@ -227,11 +234,10 @@ def sft(
         "progress": progress,
     }  # fmt: skip
     with _errors_for_people():
-        sft_config = _load("sft", config, flags, set_)  # checks every setting, recipe or not
+        given = _given("sft", config, flags, set_)
+        sft_config = build(SFTConfig, given)  # checks every setting, recipe or not
         if recipe is not None:  # the settings given apply to every stage; the stages set the rest
-            given = merge_dotted(read_yaml(config) if config else {}, {k: v for k, v in flags.items() if v is not None})
-            given = merge_dotted(given, parse_set(set_))
-            settings = {k: str(v) if isinstance(v, Path) else v for k, v in given.items() if k not in ("out", "export")}
+            settings = {k: v for k, v in given.items() if k not in ("out", "export")}
             history = run_recipe(recipe, sft_config.out, sft_config.export, console, **settings)
         else:
             history = run_sft(sft_config, console=console)

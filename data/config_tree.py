@@ -129,12 +129,12 @@ def convert(hint: Any, value: Any, where: str) -> Any:
 def check_fields(obj: Any) -> None:
     """Check every field of dataclass instance ``obj`` against its type (call it in
     ``__post_init__``); mappings given for nested dataclasses are built in place."""
-    for name, hint in field_types(type(obj)).items():
-        if name in {f.name for f in dataclasses.fields(obj)}:
-            value = getattr(obj, name)
-            converted = convert(hint, value, f"{type(obj).__name__}.{name}")
-            if converted is not value:
-                object.__setattr__(obj, name, converted)
+    hints = field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        converted = convert(hints[f.name], value, f"{type(obj).__name__}.{f.name}")
+        if converted is not value:
+            object.__setattr__(obj, f.name, converted)
 
 
 # ----- building a tree -----------------------------------------------------------------------------
@@ -252,16 +252,26 @@ def load_tree(
 ) -> T:
     """``cls`` from defaults, then the YAML file at ``path``, then ``overrides`` (dotted keys; None
     skipped: flags not given), then ``--set`` items. Errors name the file (or flag) and field."""
+    return build(cls, given_values(cls, path, overrides, sets))
+
+
+def given_values(
+    cls: type,
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    sets: list[str] | None = None,
+) -> dict[str, Any]:
+    """The nested mapping of what the file, the flags and ``--set`` give (defaults left out);
+    the file is checked against ``cls`` on its own first, so that its errors name it."""
     values = read_yaml(path) if path is not None else {}
     try:
-        build(cls, values)  # the file alone first, so that its errors name it
+        build(cls, values)
     except ConfigError as exc:
         if path is not None:
             raise ConfigError(f"{path}: {exc}") from None
         raise
     values = merge_dotted(values, overrides or {})
-    values = merge_dotted(values, parse_set(sets))
-    return build(cls, values)
+    return merge_dotted(values, parse_set(sets))
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -86,7 +86,6 @@ async def evaluate(
     """Greedy accuracy over ``records``, and unbiased pass@k for k = 1, 2, 4, ..., ``samples_per_prompt``
     from that many samples per prompt at ``config.temperature``; the same per ``data_source``
     (``by_data_source``), and up to ``MAX_FAILURES_PER_SOURCE`` greedy failures per source."""
-    samples = samples_per_prompt
     greedy = dataclasses.replace(config, temperature=0.0)
     runner = RolloutRunner(engine, chat, tools, greedy, progress=progress, reward_fn=reward_fn)
     result = await runner.run(records, 1)
@@ -106,10 +105,10 @@ async def evaluate(
         }
         for source in sources
     }
-    if samples >= 1:
+    if samples_per_prompt >= 1:
         runner = RolloutRunner(engine, chat, tools, config, progress=progress, reward_fn=reward_fn)
-        sampled = await runner.run(records, samples)
-        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= samples} | {samples})
+        sampled = await runner.run(records, samples_per_prompt)
+        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= samples_per_prompt} | {samples_per_prompt})
         report["pass_at_k"] = {k: v or 0.0 for k, v in _pass_at_ks(sampled.requests, ks).items()}
         report["sampled"] = sampled.summary.to_dict()
         for source in sources:

@@ -101,9 +101,6 @@ class SGLangHTTPEngine:
                 input_ids, sampling, self._aborted, rid, self.config.max_resumes,
             )  # fmt: skip
             self.weight_version = max(self.weight_version, generation.weight_version)
-            ids = generation.output_ids
-            if generation.finish_reason == "length" and ids and ids[-1] in sampling.stop_token_ids:
-                generation.finish_reason = "stop"  # SGLang checks length first: a stop token in the last slot
             return generation
         finally:
             self.in_flight -= 1

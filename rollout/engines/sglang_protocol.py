@@ -269,7 +269,9 @@ async def generate_resuming(
 ) -> Generation:
     """Generate, resuming across aborts we did not ask for (a weight update paused the server):
     each resume continues from the tokens so far with the rest of the budget, and every token
-    keeps the weight version that produced it. An abort that used the whole budget is "length"."""
+    keeps the weight version that produced it. An abort that used the whole budget is "length".
+    SGLang checks the length before the stop tokens, so a stop token in the last allowed slot comes
+    back as "length": it is reported as the "stop" it is, as the embedded engine does."""
     output_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -288,6 +290,8 @@ async def generate_resuming(
         if resumable and len(output_ids) >= sampling.max_new_tokens:
             finish, resumable = "length", False
         if not resumable or resumes >= max_resumes:
+            if finish == "length" and output_ids and output_ids[-1] in sampling.stop_token_ids:
+                finish = "stop"
             return Generation(
                 output_ids, logprobs, finish, part.weight_version,
                 meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
