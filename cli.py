@@ -29,6 +29,7 @@ app = typer.Typer(
 
 CONFIG_HELP = "YAML file of config fields (`rallyrl config --show` lists them); flags override it."
 SET_HELP = "Override any field, e.g. --set rollout.tool_timeout_s=5 (repeatable; the value is YAML)."
+ENGINE_SERVER_HELP = 'What serves --engine-url: "sglang" (or `rallyrl serve`), "vllm", or "auto" (ask it; default).'
 COMMANDS = ("rollout", "train", "eval", "serve", "sft")
 
 
@@ -110,7 +111,8 @@ def rollout(
     tool_parser: str = typer.Option(None, help="Tool-call parser (qwen25, ...)."),
     seed: int = typer.Option(None, help="Seed of the task's prompts and of the engine's sampling."),
     device: str = typer.Option(None, help='Embedded engine device: "auto", "cpu" or "cuda".'),
-    engine_url: list[str] = typer.Option(None, help="SGLang (or `rallyrl serve`) server URL; repeat for a pool."),
+    engine_url: list[str] = typer.Option(None, help="SGLang, vLLM or `rallyrl serve` server URL; repeat for a pool."),
+    engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
     engine: str = typer.Option(None, help='In-process engine: "local" (embedded) or "sglang" (CUDA).'),
     resume: bool = typer.Option(None, "--resume", help="Keep the trajectories in --out; run only the missing ones."),
     reward: str = typer.Option(None, help='Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math".'),
@@ -130,7 +132,8 @@ def rollout(
         "rollout.max_response_tokens": max_response_tokens, "rollout.max_model_len": max_model_len,
         "rollout.temperature": temperature, "rollout.top_p": top_p, "rollout.top_k": top_k,
         "rollout.tool_parser": tool_parser, "engine.local.device": device, "engine.urls": engine_url or None,
-        "engine.kind": engine, "judge.url": judge_url, "judge.max_concurrency": judge_concurrency,
+        "engine.server": engine_server, "engine.kind": engine, "judge.url": judge_url,
+        "judge.max_concurrency": judge_concurrency,
     }  # fmt: skip
     from rollout.api import load_prompts, rollout_summary
     from rollout.output_file import count_lines, finished_pairs, output_lock
@@ -178,8 +181,9 @@ def train(
     reward: str = typer.Option(None, help='Reward by data_source, e.g. "math+0.1*format" or "judge".'),
     judge_url: str = typer.Option(None, help="OpenAI-compatible URL of a judge model, for the 'judge' reward."),
     engine_url: list[str] = typer.Option(
-        None, help="Roll out on this SGLang (or `rallyrl serve`) server; repeat for several. Weights sync via disk."
+        None, help="Roll out on this SGLang, vLLM or `rallyrl serve` server; repeat for several. Weights sync via disk."
     ),
+    engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
     threads: int = typer.Option(None, help="torch intra-op threads."),
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show a progress bar of the steps."),
 ) -> None:
@@ -187,7 +191,7 @@ def train(
     flags = {
         "steps": steps, "out": out, "model": model, "task": task, "data": data, "prompts_per_step": prompts_per_step,
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
-        "engine.urls": engine_url or None, "threads": threads, "progress": progress,
+        "engine.urls": engine_url or None, "engine.server": engine_server, "threads": threads, "progress": progress,
     }  # fmt: skip
     from trainer.grpo import train as run_train
 
@@ -263,7 +267,8 @@ def evaluate(
     tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
     max_turns: int = typer.Option(None, help="Most assistant turns per request (default 3)."),
     max_new_tokens: int = typer.Option(None, help="Most tokens per assistant turn (default 96)."),
-    engine_url: list[str] = typer.Option(None, help="Evaluate a model served here (SGLang or `rallyrl serve`)."),
+    engine_url: list[str] = typer.Option(None, help="Evaluate a model served here (SGLang, vLLM or `rallyrl serve`)."),
+    engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
     json_out: Path = typer.Option(None, "--json", help="Write the report as JSON here."),
     report_md: Path = typer.Option(None, "--report", help="Write a Markdown report here."),
     threads: int = typer.Option(None, help="torch intra-op threads."),
@@ -274,7 +279,7 @@ def evaluate(
         "model": model, "task": task, "data": data, "num_prompts": num_prompts, "seed": seed,
         "samples_per_prompt": samples_per_prompt, "tools": tools, "rollout.max_turns": max_turns,
         "rollout.max_new_tokens": max_new_tokens, "engine.urls": engine_url or None, "json": json_out,
-        "report": report_md, "threads": threads, "progress": progress,
+        "engine.server": engine_server, "report": report_md, "threads": threads, "progress": progress,
     }  # fmt: skip
     from data.files import atomic_write_bytes
     from rollout.api import resolve_model

@@ -2,7 +2,12 @@
 template, and a small Qwen2-architecture model built from scratch (no download).
 
 Every printable ASCII character (plus newline and tab) is one token; the chat markers and
-the tool tags are single tokens. Other characters map to ``<unk>``.
+the tool tags are single tokens. The tokenizer is a ``Qwen2Tokenizer`` (byte-level BPE with
+Qwen2's pre-tokenizer and no merges) whose vocabulary holds just those bytes, so every loader
+reads the directory the same way: transformers 5 gives a ``qwen2`` model directory that class
+whatever its ``tokenizer_config.json`` says, and SGLang and vLLM load it through
+``AutoTokenizer``. As in any byte-level BPE, a byte with no token is dropped: characters
+outside printable ASCII have none.
 """
 
 from __future__ import annotations
@@ -11,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-calc"
 """The shipped tiny-calc model (``rallyrl sft --recipe tiny-calc`` rebuilds it): the default of every command."""
@@ -50,22 +54,31 @@ def char_vocab() -> list[str]:
     return SPECIAL_TOKENS + TOOL_TOKENS + chars
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level ``PreTrainedTokenizerFast`` with the chat template: one token per character.
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    rest = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(rest)}
 
-    It is a BPE model with no merges and no pre-tokenizer, which splits text into characters
-    (an unknown one becomes ``<unk>``) about three times faster than a per-character regex
-    pre-tokenizer in front of a WordLevel model, with the same ids.
+
+def build_char_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level ``Qwen2Tokenizer`` with the chat template: one token per character.
+
+    Its vocabulary is ``char_vocab()`` with each character written as its byte-level symbol
+    (a space is ``\u0120``, a newline ``\u010a``), no merges; the special tokens and tool tags
+    are added tokens matched whole.
     """
-    vocab = {token: i for i, token in enumerate(char_vocab())}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+    symbols = _byte_symbols()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for token in char_vocab()[len(SPECIAL_TOKENS) :]:
+        vocab[token if token in TOOL_TOKENS else symbols[ord(token)]] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
+        extra_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )
@@ -88,7 +101,7 @@ class TinyModelConfig:
     seed: int = 0
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig | None = None) -> Qwen2ForCausalLM:
+def build_tiny_model(tokenizer: PreTrainedTokenizerBase, config: TinyModelConfig | None = None) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2ForCausalLM sized for ``tokenizer`` (float32, eval mode)."""
     config = config or TinyModelConfig()
     qwen = Qwen2Config(

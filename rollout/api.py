@@ -121,17 +121,15 @@ def make_reward(spec: str | None, judge: Judge | None = None) -> RewardFn:
 
 def open_engine(config: EngineConfig, model_dir: Path, *, max_model_len: int | None = None, seed: int = 0,
                 model: Any = None) -> Any:  # fmt: skip
-    """The engine of ``config``, not yet entered (``async with`` it): servers, in-process SGLang or
-    the embedded engine (on ``model`` when given, a module already loaded, else ``model_dir``)."""
+    """The engine of ``config``, not yet entered (``async with`` it, and use what entering returns):
+    servers, in-process SGLang or the embedded engine (on ``model`` when given, a module already
+    loaded, else ``model_dir``)."""
     import dataclasses
 
-    if config.urls:
-        from rollout.engines.pool import EnginePool
-        from rollout.engines.sglang_http import SGLangHTTPEngine
+    if config.urls:  # SGLang or vLLM servers; with server "auto", asked which on entry
+        from rollout.engines.pool import open_servers
 
-        if len(config.urls) == 1:
-            return SGLangHTTPEngine(config.urls[0], config.http)
-        return EnginePool(config.urls, config.pool)
+        return open_servers(config.urls, config.server, config.http, config.pool)
     if config.kind == "sglang":
         from rollout.engines.sglang_engine import SGLangEngine
 

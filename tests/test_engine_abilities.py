@@ -12,10 +12,11 @@ from rollout.engines.local import LocalEngine
 from rollout.engines.pool import EnginePool
 from rollout.engines.sglang_engine import SGLangEngine
 from rollout.engines.sglang_http import SGLangHTTPEngine
+from rollout.engines.vllm_http import VLLMHTTPEngine
 
 ABILITIES = {
-    FlushesCache: ("flush_cache", [LocalEngine, SGLangHTTPEngine, EnginePool, SGLangEngine]),
-    LoadsWeightsFromDisk: ("sync_weights_from_disk", [SGLangHTTPEngine, EnginePool]),
+    FlushesCache: ("flush_cache", [LocalEngine, SGLangHTTPEngine, VLLMHTTPEngine, EnginePool, SGLangEngine]),
+    LoadsWeightsFromDisk: ("sync_weights_from_disk", [SGLangHTTPEngine, VLLMHTTPEngine, EnginePool]),
     StreamsGenerations: ("generate_stream", [LocalEngine]),
 }
 CASES = [(ability, method, engine) for ability, (method, engines) in ABILITIES.items() for engine in engines]

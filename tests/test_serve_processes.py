@@ -239,10 +239,21 @@ def test_serve_on_a_taken_port_fails_with_a_clear_error(tmp_path):
     assert f"cannot serve on 127.0.0.1:{port}" in again.stderr
 
 
-def test_rollout_against_an_unreachable_server_ends_every_request_with_an_error(tmp_path):
+def test_rollout_against_an_unreachable_server_is_a_clear_error_before_any_request(tmp_path):
+    """Asking what kind of server it is (SGLang or vLLM) fails first, naming the URL."""
     out = tmp_path / "rollouts.jsonl"
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     made = run_cli("rollout", "--num-prompts", "4", "--engine-url", url, "--out", str(out), "--no-progress")
+    assert made.returncode == 2
+    assert url in made.stderr and "is the server up?" in made.stderr
+
+
+def test_rollout_against_an_unreachable_sglang_server_ends_every_request_with_an_error(tmp_path):
+    """Named, the server is not asked: every request is tried, and each ends with the error."""
+    out = tmp_path / "rollouts.jsonl"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    made = run_cli("rollout", "--num-prompts", "4", "--engine-url", url, "--engine-server", "sglang", "--out",
+                   str(out), "--no-progress")  # fmt: skip
     assert made.returncode == 0, made.stderr
     lines = read_jsonl(out)
     assert len(lines) == 4

@@ -289,10 +289,8 @@ def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it_and_
 
     assert [entry["step"] for entry in history] == [2, 4]
     assert not (tmp_path / "sft" / "step-6").exists()
-    shipped = tmp_path / "shipped"
-    weights = (shipped / "model.safetensors").read_bytes()
-    assert weights == (tmp_path / "sft" / "step-4" / "model.safetensors").read_bytes()
-    assert not list(tmp_path.glob(".shipped*"))
+    assert_exported(tmp_path / "shipped", tmp_path / "sft" / "step-4")
+    assert not list(tmp_path.glob("shipped.partial*"))
 
 
 def test_a_recipe_runs_its_stages_each_from_the_last_checkpoint_and_exports_the_last(tmp_path, monkeypatch):
@@ -308,8 +306,20 @@ def test_a_recipe_runs_its_stages_each_from_the_last_checkpoint_and_exports_the_
     configs = [orjson.loads((out / f"stage-{n}" / "sft_log.jsonl").read_bytes().splitlines()[0]) for n in (1, 2)]
     assert configs[0]["model"] is None and configs[0]["schedule_steps"] == 4
     assert configs[1]["model"] == str(out / "stage-1" / "step-2") and configs[1]["tool_call_share"] == 0.5
-    weights = (tmp_path / "shipped" / "model.safetensors").read_bytes()
-    assert weights == (out / "stage-2" / "step-1" / "model.safetensors").read_bytes()
+    assert_exported(tmp_path / "shipped", out / "stage-2" / "step-1")
+
+
+def assert_exported(export, checkpoint) -> None:
+    """The export is the checkpoint re-expressed with heads of 32 (``export_head_dim``): the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    shipped, trained = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+                        for d in (export, checkpoint))  # fmt: skip
+    assert (shipped.config.head_dim, shipped.config.hidden_size) == (32, FIXTURE_MODEL.num_heads * 32)
+    ids = torch.randint(4, 105, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(shipped(ids).logits, trained(ids).logits, atol=1e-4)
+    assert (export / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
 
 
 def test_an_unknown_recipe_names_the_known_ones(tmp_path):

@@ -26,7 +26,7 @@ def test_prompt_includes_the_tool_schemas_and_the_generation_prompt(chat):
 
 def test_turn_glue_and_stop_tokens_come_from_the_template(chat, tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert chat.turn_close_ids == [im_end, tokenizer.convert_tokens_to_ids("\n")]
+    assert chat.turn_close_ids == [im_end, *tokenizer.encode("\n", add_special_tokens=False)]
     assert im_end in chat.stop_token_ids
 
 

@@ -218,6 +218,11 @@ class SFTConfig(CommonConfig):
     """Output directory: ``step-N/`` checkpoints and ``sft_log.jsonl``."""
     export: str | None = None
     """Also copy the last checkpoint here (``data/assets/tiny-calc`` rebuilds the embedded model)."""
+    export_head_dim: int = 32
+    """The export's attention heads are widened to this size and its hidden size to heads x
+    this, zero-padded (the same function, ``data/model_padding.py``): vLLM's CPU attention
+    refuses heads under 32 and SGLang on CPU takes hidden / heads as the head size. 0 exports
+    the checkpoint as it is."""
     device: str = "cpu"
     """"cpu", or "auto" to let Accelerate pick (CUDA when present)."""
 

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from data.model_padding import pad_model_dir
 from data.synthetic import make_calc_records, spaced_expression
 from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from rollout.api import resolve_model, set_threads
@@ -38,7 +39,7 @@ from rollout.runner import RolloutRunner
 from rollout.stats import accuracy
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import BaseTool
-from trainer.checkpoints import copy_model_dir, quiet_transformers, save_model_dir
+from trainer.checkpoints import quiet_transformers, save_model_dir
 from trainer.config import SFTConfig
 from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
 
@@ -255,7 +256,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
             progress.stop()
         log.close()
     if config.export and history:
-        exported = copy_model_dir(history[-1]["checkpoint"], config.export)
+        exported = pad_model_dir(history[-1]["checkpoint"], config.export, config.export_head_dim)
         console.print(f"exported {history[-1]['checkpoint']} to {exported}")
     return history
 
@@ -277,7 +278,7 @@ def run_recipe(
         history = run_sft(config, console)
         model = history[-1]["checkpoint"]
     if export is not None and model is not None:
-        console.print(f"exported {model} to {copy_model_dir(model, export)}")
+        console.print(f"exported {model} to {pad_model_dir(model, export, config.export_head_dim)}")
     return history
 
 

@@ -136,6 +136,10 @@ class EngineConfig:
     """SGLang (or ``rallyrl serve``) servers; one is a client, several a pool. Empty: the
     in-process engine named by ``kind``. With servers, ``model`` names the tokenizer, and a
     training run syncs weights through ``/update_weights_from_disk``."""
+    server: Literal["auto", "sglang", "vllm"] = "auto"
+    """What serves ``urls``: "sglang" (SGLang or ``rallyrl serve``), "vllm" (weight sync needs it
+    started with VLLM_SERVER_DEV_MODE=1), or "auto": asked once per URL when the engine opens
+    (GET /get_model_info answers on SGLang and ``rallyrl serve``; vLLM answers /version and /v1/models)."""
     kind: Literal["local", "sglang"] = "local"
     """In-process engine when ``urls`` is empty: the embedded one, or SGLang's (CUDA)."""
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)

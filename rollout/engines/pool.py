@@ -1,4 +1,4 @@
-"""Several SGLang-compatible servers behind one Engine.
+"""Several SGLang-compatible or vLLM servers behind one Engine, and what opens ``--engine-url``.
 
 Routing: a request's later turns go to the server that served its earlier ones (its KV cache
 holds their prefix); a new request goes to the healthy server with the fewest requests in
@@ -8,6 +8,10 @@ loading the pool's current weights, so a restarted server never serves stale one
 
 Weight sync: ``sync_weights_from_disk`` pauses every server, has each load the same saved
 weights, then lets them continue (requests aborted by the pause are resumed by the clients).
+
+Server kinds: each server gets the client of its kind (``sglang_http.py``, ``vllm_http.py``). With
+"auto", each URL is asked once when the pool opens (``detect_server``); a server that does not
+answer then takes the kind of those that do, since a pool serves one model.
 """
 
 from __future__ import annotations
@@ -17,14 +21,93 @@ import contextlib
 import logging
 import random
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+import aiohttp
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.config import PoolConfig
-from rollout.engines.sglang_http import ServerUnavailableError, SGLangHTTPEngine
+from rollout.engines.config import PoolConfig, SGLangHTTPConfig
+from rollout.engines.sglang_http import RetryableError, ServerUnavailableError, SGLangHTTPEngine
+from rollout.engines.vllm_http import VLLMHTTPEngine
+from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
 
 logger = logging.getLogger(__name__)
+
+ServerKind = Literal["sglang", "vllm"]
+ServerClient = SGLangHTTPEngine | VLLMHTTPEngine
+
+
+def server_client(url: str, kind: ServerKind, config: SGLangHTTPConfig | None = None) -> ServerClient:
+    """The client of one server of ``kind`` at ``url`` (not yet entered)."""
+    return VLLMHTTPEngine(url, config) if kind == "vllm" else SGLangHTTPEngine(url, config)
+
+
+async def detect_server(url: str, config: SGLangHTTPConfig | None = None) -> ServerKind:
+    """What serves ``url``: "sglang" when ``GET /get_model_info`` answers (SGLang, ``rallyrl serve``),
+    "vllm" when ``GET /version`` and ``GET /v1/models`` do. Connection failures and 5xx are retried
+    like the client's requests. Raises ServerUnavailableError when nothing answers, EngineError when
+    something else does; both name the URL."""
+    config = config or SGLangHTTPConfig()
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    timeout = aiohttp.ClientTimeout(total=config.control_timeout_s, connect=config.connect_timeout_s)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+
+        async def status(path: str) -> int:
+            try:
+                async with session.get(url + path) as response:
+                    await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise RetryableError(f"GET {url}{path}: {type(exc).__name__}: {exc}") from exc
+            if response.status in RETRY_STATUSES:
+                raise RetryableError(f"GET {url}{path} answered HTTP {response.status}")
+            return response.status
+
+        async def attempt() -> ServerKind | None:
+            if await status("/get_model_info") == 200:
+                return "sglang"
+            if await status("/version") == 200 and await status("/v1/models") == 200:
+                return "vllm"
+            return None
+
+        backoff = Backoff(config.backoff_s, config.backoff_max_s)
+        try:
+            kind = await call_with_retries(
+                attempt, retries=config.max_retries, backoff=backoff, retry_on=(RetryableError,)
+            )
+        except RetryableError as exc:
+            raise ServerUnavailableError(
+                f"{url}: could not ask whether SGLang or vLLM serves it ({exc}); is the server up? "
+                "(engine.server / --engine-server names the kind without asking)"
+            ) from None
+    if kind is None:
+        raise EngineError(
+            f"{url} answers neither GET /get_model_info (SGLang, rallyrl serve) nor GET /version and /v1/models "
+            "(vLLM): is it an inference server's URL?"
+        )
+    return kind
+
+
+@contextlib.asynccontextmanager
+async def detected_client(url: str, config: SGLangHTTPConfig | None = None) -> AsyncIterator[ServerClient]:
+    """The client of whatever serves ``url`` (``detect_server``), entered."""
+    kind = await detect_server(url, config)
+    async with server_client(url, kind, config) as client:
+        yield client
+
+
+def open_servers(
+    urls: list[str], server: ServerKind | Literal["auto"], http: SGLangHTTPConfig, pool: PoolConfig
+) -> Any:
+    """The engine for ``--engine-url``, not yet entered (``async with`` it): one server's client, or
+    a pool of several. With ``server`` "auto" the kind is asked on entry, so use what entering returns."""
+    if len(urls) > 1:
+        return EnginePool(urls, pool, server)
+    if server == "auto":
+        return detected_client(urls[0], http)
+    return server_client(urls[0], server, http)
 
 
 @dataclass
@@ -37,7 +120,7 @@ class ServerStats:
 @dataclass
 class _Server:
     index: int
-    engine: SGLangHTTPEngine
+    engine: ServerClient
     healthy: bool = True
     failed_checks: int = 0
     weight_version: int | None = 0  # None: unknown (it was out, and may have restarted since)
@@ -49,15 +132,19 @@ class _Server:
 
 
 class EnginePool:
-    """The Engine protocol over several servers: sticky, least-in-flight, health-checked."""
+    """The Engine protocol over several servers: sticky, least-in-flight, health-checked. ``server``
+    is their kind; "auto" asks each when the pool is entered (``servers`` is empty until then)."""
 
-    def __init__(self, urls: list[str], config: PoolConfig | None = None):
+    def __init__(self, urls: list[str], config: PoolConfig | None = None,
+                 server: ServerKind | Literal["auto"] = "sglang"):  # fmt: skip
         if not urls:
             raise ValueError("an engine pool needs at least one server URL")
         if len(set(urls)) != len(urls):
             raise ValueError(f"duplicate server URLs in {urls}")
         self.config = config or PoolConfig()
-        self.servers = [_Server(i, SGLangHTTPEngine(url, self.config.client)) for i, url in enumerate(urls)]
+        self.urls = list(urls)
+        self.server = server
+        self.servers: list[_Server] = [] if server == "auto" else self._make_servers([server] * len(urls))
         self.weight_version = 0
         self.weights_path: str | None = None  # the weights every server must have loaded
         self.failovers = 0
@@ -67,9 +154,37 @@ class EnginePool:
         self._sync_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
-        return f"EnginePool({[s.url for s in self.servers]})"
+        return f"EnginePool({self.urls})"
+
+    def _make_servers(self, kinds: list[ServerKind]) -> list[_Server]:
+        return [
+            _Server(i, server_client(url, kind, self.config.client))
+            for i, (url, kind) in enumerate(zip(self.urls, kinds, strict=True))
+        ]
+
+    async def _detect_kinds(self) -> list[ServerKind]:
+        """Each URL's kind; one that does not answer takes the kind of those that do."""
+        found = await asyncio.gather(*(detect_server(url, self.config.client) for url in self.urls),
+                                     return_exceptions=True)  # fmt: skip
+        for error in found:
+            if isinstance(error, BaseException) and not isinstance(error, ServerUnavailableError):
+                raise error
+        kinds = {kind for kind in found if isinstance(kind, str)}
+        errors = [str(error) for error in found if isinstance(error, BaseException)]
+        if not kinds:
+            raise EngineError("; ".join(errors))
+        if len(kinds) > 1 and errors:
+            raise EngineError(
+                f"the pool mixes SGLang and vLLM, so the kind of the others is unknown: {'; '.join(errors)}"
+            )
+        for url, kind in zip(self.urls, found, strict=True):
+            if isinstance(kind, BaseException):
+                logger.warning("engine pool: %s did not answer; taking it for %s like the others", url, *kinds)
+        return [kind if isinstance(kind, str) else next(iter(kinds)) for kind in found]
 
     async def __aenter__(self) -> EnginePool:
+        if not self.servers:
+            self.servers = self._make_servers(await self._detect_kinds())
         for server in self.servers:
             await server.engine.__aenter__()
         self._health_task = asyncio.create_task(self._health_loop(), name="engine-pool-health")
@@ -236,7 +351,8 @@ class EnginePool:
 
 
 def connect(urls: list[str], config: PoolConfig | None = None) -> SGLangHTTPEngine | EnginePool:
-    """The engine for ``--engine-url``: one server's client, or a pool of several."""
+    """The engine for ``--engine-url`` on SGLang servers: one server's client, or a pool of several
+    (``open_servers`` for vLLM or detection)."""
     if len(urls) == 1:
         return SGLangHTTPEngine(urls[0])
     return EnginePool(urls, config)

@@ -20,10 +20,11 @@ loop, as ``async_generate`` does; tensor serialization and ``shutdown`` (which k
 processes and waits for them) run in a thread.
 
 Weight updates: ``update_weights`` aborts the generations in flight (``abort_on_update``), and
-SGLang loads the new tensors once they have left the engine. Each aborted generation is resumed
-from its tokens so far with the rest of its budget, so no SGLang call mixes weights, and every
-token records the version that produced it. A generation aborted through ``abort`` returns
-finish "abort" and is not resumed.
+SGLang loads the new tensors once they have left the engine (inside a ``begin_weight_update`` /
+``end_weight_update`` session on releases that have one, 0.5.2x: without it the load is
+refused). Each aborted generation is resumed from its tokens so far with the rest of its budget,
+so no SGLang call mixes weights, and every token records the version that produced it. A
+generation aborted through ``abort`` returns finish "abort" and is not resumed.
 """
 
 from __future__ import annotations
@@ -208,10 +209,18 @@ class SGLangEngine:
             flush_cache=True,
             weight_version=str(version),
         )
+        manager = self.engine.tokenizer_manager
         async with self._update_lock:
             if self.config.abort_on_update and self._wire_rids:
                 self._abort_all()
-            success, message = await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+            if hasattr(manager, "begin_weight_update"):  # 0.5.2x: loads only inside a weight-update session
+                await _checked(manager.begin_weight_update(io_struct.BeginWeightUpdateReqInput(), None), self)
+                try:
+                    success, message = await manager.update_weights_from_tensor(request, None)
+                finally:
+                    await _checked(manager.end_weight_update(io_struct.EndWeightUpdateReqInput(), None), self)
+            else:
+                success, message = await manager.update_weights_from_tensor(request, None)
         if not success:
             raise EngineError(f"{self!r}: update_weights_from_tensor failed: {message}")
         self.weight_version = version
@@ -258,6 +267,13 @@ def span_weight_versions(meta: dict[str, Any], count: int, default: int) -> list
         version = parse_weight_version(span.get("version"))
         versions += [default if version is None else version] * (span["end"] - len(versions))
     return versions if len(versions) == count else None
+
+
+async def _checked(call: Any, engine: SGLangEngine) -> None:
+    """Await a control call answering (success, message); EngineError when it failed."""
+    success, message = await call
+    if not success:
+        raise EngineError(f"{engine!r}: {message}")
 
 
 def _request(cls: type, **fields: Any) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import aiohttp
 import orjson
@@ -50,8 +50,9 @@ class ServerUnavailableError(EngineError):
     another server may still serve the request."""
 
 
-class SGLangHTTPEngine:
-    """The Engine protocol over one SGLang-compatible server at ``url``."""
+class ServerHTTPClient:
+    """One server's HTTP plumbing, shared by the SGLang and vLLM clients: the session, per-path
+    URLs and timeouts, retries of transient failures, control calls and ``/health``."""
 
     def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
         if not url.startswith(("http://", "https://")):
@@ -61,18 +62,14 @@ class SGLangHTTPEngine:
         self.weight_version = 0
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
-        self._wire_rids: dict[str, str] = {}  # our rid -> the wire rid of its attempt in flight
-        self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
-        self._active: set[str] = set()  # rids inside generate (in flight or between retries)
-        self._attempts = 0
         self._urls: dict[str, yarl.URL] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
 
     def __repr__(self) -> str:
-        return f"SGLangHTTPEngine({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
 
-    async def __aenter__(self) -> SGLangHTTPEngine:
+    async def __aenter__(self) -> Self:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
         self._session = aiohttp.ClientSession(
@@ -87,54 +84,6 @@ class SGLangHTTPEngine:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    # ----- generation ----------------------------------------------------------------------
-
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
-        """Continue ``input_ids``; resumed across server-side aborts (weight updates)."""
-        self._aborted.discard(rid)
-        self._active.add(rid)
-        self.in_flight += 1
-        try:
-            generation = await generate_resuming(
-                lambda ids, budget: self._generate_once(ids, budget, rid),
-                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
-            )  # fmt: skip
-            self.weight_version = max(self.weight_version, generation.weight_version)
-            return generation
-        finally:
-            self.in_flight -= 1
-            self._aborted.discard(rid)
-            self._active.discard(rid)
-
-    async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
-        """One /generate call, retried on transient failures."""
-
-        async def attempt() -> Generation:
-            if rid in self._aborted:  # aborted while waiting to retry
-                return Generation([], [], "abort", self.weight_version)
-            self._attempts += 1
-            wire_rid = f"{rid}#{self._attempts}"
-            self._wire_rids[rid] = wire_rid
-            try:
-                payload = generate_payload(input_ids, sampling, wire_rid)
-                body = await self._post("/generate", payload, self.config.timeout_s)
-                return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
-            except RetryableError as exc:
-                if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
-                    exc.__cause__, aiohttp.ConnectionTimeoutError
-                ):
-                    await self._abort_quietly(wire_rid)  # the server may still be running it
-                raise
-            finally:
-                if self._wire_rids.get(rid) == wire_rid:
-                    del self._wire_rids[rid]
-
-        try:
-            return await self._with_retries(attempt)
-        except RetryableError as exc:
-            attempts = self.config.max_retries + 1
-            raise ServerUnavailableError(f"{self.url}: request {rid} failed after {attempts} attempts: {exc}") from exc
 
     async def _with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, retried on RetryableError with this client's backoff (``rollout/retry.py``)."""
@@ -200,6 +149,73 @@ class SGLangHTTPEngine:
             attempts = self.config.max_retries + 1
             raise ServerUnavailableError(f"{self.url}{path} failed after {attempts} attempts: {exc}") from exc
 
+    async def health(self) -> bool:
+        """True when ``/health`` answers 200 within the connect timeout."""
+        try:
+            await self._request("GET", "/health", None, self.config.connect_timeout_s)
+            return True
+        except EngineError:
+            return False
+
+
+class SGLangHTTPEngine(ServerHTTPClient):
+    """The Engine protocol over one SGLang-compatible server at ``url``."""
+
+    def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
+        super().__init__(url, config)
+        self._wire_rids: dict[str, str] = {}  # our rid -> the wire rid of its attempt in flight
+        self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
+        self._active: set[str] = set()  # rids inside generate (in flight or between retries)
+        self._attempts = 0
+
+    # ----- generation ----------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """Continue ``input_ids``; resumed across server-side aborts (weight updates)."""
+        self._aborted.discard(rid)
+        self._active.add(rid)
+        self.in_flight += 1
+        try:
+            generation = await generate_resuming(
+                lambda ids, budget: self._generate_once(ids, budget, rid),
+                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
+            )  # fmt: skip
+            self.weight_version = max(self.weight_version, generation.weight_version)
+            return generation
+        finally:
+            self.in_flight -= 1
+            self._aborted.discard(rid)
+            self._active.discard(rid)
+
+    async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """One /generate call, retried on transient failures."""
+
+        async def attempt() -> Generation:
+            if rid in self._aborted:  # aborted while waiting to retry
+                return Generation([], [], "abort", self.weight_version)
+            self._attempts += 1
+            wire_rid = f"{rid}#{self._attempts}"
+            self._wire_rids[rid] = wire_rid
+            try:
+                payload = generate_payload(input_ids, sampling, wire_rid)
+                body = await self._post("/generate", payload, self.config.timeout_s)
+                return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
+            except RetryableError as exc:
+                if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
+                    exc.__cause__, aiohttp.ConnectionTimeoutError
+                ):
+                    await self._abort_quietly(wire_rid)  # the server may still be running it
+                raise
+            finally:
+                if self._wire_rids.get(rid) == wire_rid:
+                    del self._wire_rids[rid]
+
+        try:
+            return await self._with_retries(attempt)
+        except RetryableError as exc:
+            attempts = self.config.max_retries + 1
+            raise ServerUnavailableError(f"{self.url}: request {rid} failed after {attempts} attempts: {exc}") from exc
+
     # ----- control endpoints -------------------------------------------------------------------
 
     async def abort(self, rid: str | None = None) -> None:
@@ -216,14 +232,6 @@ class SGLangHTTPEngine:
     async def _abort_quietly(self, wire_rid: str) -> None:
         with contextlib.suppress(EngineError):
             await self._request("POST", "/abort_request", {"rid": wire_rid, "abort_all": False}, 5.0)
-
-    async def health(self) -> bool:
-        """True when ``/health`` answers 200 within the connect timeout."""
-        try:
-            await self._request("GET", "/health", None, self.config.connect_timeout_s)
-            return True
-        except EngineError:
-            return False
 
     async def health_generate(self) -> bool:
         """True when the server can generate a token (``/health_generate``)."""

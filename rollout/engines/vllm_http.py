@@ -1,0 +1,463 @@
+"""A client of one vLLM server's OpenAI-compatible API, with token ids in and out.
+
+Start the server with the development endpoints on and logprobs of the distribution it samples
+from (``rollout/engine_servers.py`` does, for the tests)::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --logprobs-mode processed_logprobs
+
+Generation: ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0``,
+``return_token_ids`` and ``return_tokens_as_token_ids``; each choice's ``token_ids`` (a stop token,
+EOS included, ends them, as in SGLang) and ``logprobs.token_logprobs`` become the ``Generation``.
+Every sampling parameter is sent, so the model's ``generation_config.json`` defaults never apply.
+``max_tokens`` is capped to the context ``/v1/models`` reports; a prompt that fills the context is
+"length" with no tokens, as in the embedded engine. Retries, timeouts and wire rids are those of
+the SGLang client (``ServerHTTPClient``): connection errors, timeouts and HTTP 408 / 429 / 5xx are
+retried with backoff, and each attempt is its own vLLM request (``request_id`` ``rid#attempt``).
+
+Logprobs: vLLM's default ``--logprobs-mode raw_logprobs`` ignores the temperature;
+``processed_logprobs`` is the temperature-scaled distribution, but renormalised over the top-p /
+top-k cut when there is one (SGLang's are before the cut). The client reads the mode from
+``/server_info`` and refuses a request whose logprobs would be of another distribution than
+``SamplingParams`` documents, saying what to change.
+
+Abort: ``POST /abort_requests`` with vLLM's id of the request (``cmpl-<request_id>-0``); the
+generation returns with finish "abort" and its tokens so far. Without the development endpoints the
+client closes the request's connection instead (vLLM aborts a request whose client disconnects),
+and the generation returns "abort" with no tokens.
+
+Weight sync (``sync_weights_from_disk``), all endpoints of vLLM 0.32's development mode:
+
+1. new generation attempts of this client wait until the sync ends;
+2. ``POST /pause?mode=abort``: requests in flight end with finish "abort" and their tokens so far
+   (this client resumes them from those tokens afterwards); requests that arrive wait;
+3. ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``: every
+   worker reloads the checkpoint at DIR in place (same architecture; KV cache and graphs kept). A
+   failed reload kills vLLM's engine, so DIR is checked here first (a directory with safetensors);
+4. ``POST /reset_prefix_cache``: no cached prefix computed by the old weights is reused;
+5. ``POST /update_weight_version {"new_version": "N"}``: ``/weight_info`` reports it;
+6. ``POST /resume``.
+
+On vLLM's CPU backend the LM head multiplies by a packed copy of its weight made at load time; when
+it is tied to the input embeddings the checkpoint has no ``lm_head.weight``, so the reload would
+leave the old head in place (vLLM 0.32 logs "ParallelLMHead: Failed to load weights"). For a CPU
+server the client therefore reloads from a temporary directory beside DIR of links to DIR's files
+plus ``lm_head.safetensors``, a copy of the embeddings, and removes it afterwards (DIR itself is not
+changed; GPU servers read the tied weight itself and need nothing).
+
+Weight versions: a completion does not say which weights produced it, so each token carries the
+version this client had set when the attempt was sent. Attempts wait while a sync runs and the pause
+aborts what is in flight, so a token is labelled with the weights that produced it, except that a
+request still on its way to the server when the pause starts runs after the resume on the new
+weights while labelled with the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from rollout.engines.base import EngineError, Generation, SamplingParams
+from rollout.engines.config import SGLangHTTPConfig
+from rollout.engines.sglang_http import RetryableError, ServerHTTPClient, ServerUnavailableError
+from rollout.engines.sglang_protocol import FINISH_TYPES, generate_resuming, parse_weight_version
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ID = re.compile(r"token_id:(-?\d+)")
+LM_HEAD_FILE = "lm_head.safetensors"
+
+
+@dataclass(frozen=True)
+class VLLMServerInfo:
+    """What the client needs to know of a vLLM server, read once."""
+
+    model: str
+    """The served model name (``/v1/models``), sent as each request's ``model``."""
+    max_model_len: int
+    """The server's context length: prompt plus output."""
+    logprobs_mode: str | None = None
+    """``--logprobs-mode`` as ``/server_info`` reports it; None without the development endpoints."""
+    device: str | None = None
+    """"cpu", "cuda", ... as ``/server_info`` reports it; None without the development endpoints."""
+
+
+def completion_payload(
+    input_ids: list[int], sampling: SamplingParams, request_id: str, model: str, max_tokens: int
+) -> dict[str, Any]:
+    """The body of one ``/v1/completions`` request by token ids, with the sampled tokens' logprobs.
+    Every sampling parameter is given, so none comes from the model's ``generation_config.json``."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": input_ids,
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 is no cut
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,  # the sampled token's only
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "add_special_tokens": False,
+        "request_id": request_id,
+        "n": 1,
+        "stream": False,
+    }
+    if sampling.seed is not None:
+        payload["seed"] = sampling.seed
+    return payload
+
+
+def engine_request_id(request_id: str) -> str:
+    """vLLM's own id of the completion sent with ``request_id`` (its first and only prompt), which
+    ``/abort_requests`` takes."""
+    return f"cmpl-{request_id}-0"
+
+
+def parse_completion(body: Any, where: str, weight_version: int) -> Generation:
+    """A ``Generation`` from one ``/v1/completions`` response; ``where`` (server and rid) is named
+    in the EngineError raised for a malformed one. Every token gets ``weight_version``."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise EngineError(f"{where}: expected a completion with one choice, got {str(body)[:200]}")
+    choice = choices[0]
+    finish = choice.get("finish_reason")
+    if finish not in FINISH_TYPES:
+        raise EngineError(f"{where}: finish_reason {finish!r} is not stop, length or abort")
+    output_ids = choice.get("token_ids")
+    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+        raise EngineError(f"{where}: choices[0].token_ids must be a list of token ids (vLLM >= 0.10.2 has them)")
+    logprobs = choice.get("logprobs") or {}
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        raise EngineError(f"{where}: choices[0].logprobs has no tokens and token_logprobs (was logprobs sent?)")
+    if not len(tokens) == len(values) == len(output_ids):
+        raise EngineError(
+            f"{where}: {len(values)} token_logprobs and {len(tokens)} tokens for {len(output_ids)} token_ids"
+        )
+    for i, (token, value, token_id) in enumerate(zip(tokens, values, output_ids, strict=True)):
+        match = TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
+        if match is None or int(match.group(1)) != token_id:
+            raise EngineError(f"{where}: logprobs.tokens[{i}] {token!r} does not match token_ids[{i}] {token_id}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EngineError(f"{where}: logprobs.token_logprobs[{i}] is {value!r}, not a number")
+    stop_reason = choice.get("stop_reason")
+    if finish == "stop" and isinstance(stop_reason, int) and output_ids[-1:] != [stop_reason]:
+        raise EngineError(f"{where}: stopped on token {stop_reason}, which does not end token_ids")
+    usage = body.get("usage") or {}
+    meta = {
+        "id": body.get("id"),
+        "stop_reason": stop_reason,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
+    return Generation(output_ids, [float(v) for v in values], finish, weight_version, meta=meta)
+
+
+def logprobs_problem(mode: str | None, sampling: SamplingParams) -> str | None:
+    """Why a server with ``--logprobs-mode mode`` would return logprobs of another distribution than
+    ``SamplingParams`` documents (temperature-scaled, before the top-p/top-k cut) for ``sampling``;
+    None when they are right, or when the mode is unknown."""
+    greedy = sampling.temperature == 0  # vLLM: the unscaled distribution, as the other engines
+    cut = sampling.top_p < 1 or sampling.top_k > 0
+    if mode is None or greedy:
+        return None
+    if mode == "processed_logprobs":
+        if cut:
+            return (
+                f"vLLM renormalises its processed_logprobs over the top-p/top-k cut (top_p={sampling.top_p}, "
+                f"top_k={sampling.top_k}): sample with top_p=1 and top_k=-1 on vLLM, or use SGLang"
+            )
+        return None
+    if mode == "raw_logprobs":
+        if sampling.temperature != 1:
+            return (
+                f"its raw_logprobs ignore the temperature ({sampling.temperature:g}): restart it with "
+                "--logprobs-mode processed_logprobs"
+            )
+        return None
+    return f"--logprobs-mode {mode} returns logits, not logprobs: restart it with --logprobs-mode processed_logprobs"
+
+
+def tied_lm_head_view(model_dir: Path) -> Path | None:
+    """When the checkpoint at ``model_dir`` has input embeddings but no ``lm_head.weight`` (it ties
+    them), a new temporary directory beside it (or in the system's temporary directory) of links to
+    its files plus ``lm_head.safetensors``, a copy of the embeddings (a sharded checkpoint's index
+    gets the entry); the caller removes it. None when nothing is tied. ``model_dir`` is not changed."""
+    import json
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    if index is not None:
+        where = dict(index.get("weight_map", {}))
+    else:
+        where = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), file.name))
+    embeddings = [name for name in where if name.endswith("embed_tokens.weight")]
+    if "lm_head.weight" in where or len(embeddings) != 1:
+        return None
+    try:
+        view = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.vllm-", dir=model_dir.parent))
+    except OSError:  # a read-only parent
+        view = Path(tempfile.mkdtemp(prefix=f"{model_dir.name}.vllm-"))
+    try:
+        for file in model_dir.iterdir():
+            if file.is_file() and file != index_path:
+                (view / file.name).symlink_to(file.resolve())
+        with safe_open(str(model_dir / where[embeddings[0]]), framework="pt") as f:
+            tensor = f.get_tensor(embeddings[0])
+        save_file({"lm_head.weight": tensor.contiguous()}, str(view / LM_HEAD_FILE), metadata={"format": "pt"})
+        if index is not None:
+            index["weight_map"]["lm_head.weight"] = LM_HEAD_FILE
+            (view / index_path.name).write_text(json.dumps(index, indent=2))
+    except BaseException:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
+    return view
+
+
+def check_model_dir(model_path: str) -> None:
+    """EngineError unless ``model_path`` is a directory holding safetensors (checked here because a
+    failed ``reload_weights`` kills vLLM's engine)."""
+    path = Path(model_path)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise EngineError(
+            f"{model_path}: not a model directory with .safetensors files; vLLM's engine dies when a reload "
+            "fails, so nothing was sent"
+        )
+
+
+class VLLMHTTPEngine(ServerHTTPClient):
+    """The Engine protocol over one vLLM server at ``url`` (``/v1/completions`` by token ids)."""
+
+    def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
+        super().__init__(url, config)
+        self._wire_rids: dict[str, str] = {}  # our rid -> the wire rid of its attempt in flight
+        self._posts: dict[str, asyncio.Future[Any]] = {}  # our rid -> its attempt's HTTP call
+        self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
+        self._active: set[str] = set()  # rids inside generate (in flight or between retries)
+        self._attempts = 0
+        self._info: VLLMServerInfo | None = None
+        self._info_lock = asyncio.Lock()
+        self._sync_lock = asyncio.Lock()
+        self._not_syncing = asyncio.Event()  # cleared while a weight sync runs: attempts wait
+        self._not_syncing.set()
+        self._abort_endpoint = True  # False once /abort_requests answered 404 (no development mode)
+        self._warned_unknown_mode = False
+
+    # ----- generation ----------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        """Continue ``input_ids``; resumed across server-side aborts (weight syncs)."""
+        self._aborted.discard(rid)
+        self._active.add(rid)
+        self.in_flight += 1
+        try:
+            info = await self.server_info()
+            problem = logprobs_problem(info.logprobs_mode, sampling)
+            if problem is not None:
+                raise EngineError(f"{self.url} request {rid}: {problem}")
+            self._warn_if_mode_unknown(info)
+            return await generate_resuming(
+                lambda ids, budget: self._generate_once(ids, budget, rid, info),
+                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
+            )  # fmt: skip
+        finally:
+            self.in_flight -= 1
+            self._aborted.discard(rid)
+            self._active.discard(rid)
+
+    async def _generate_once(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, info: VLLMServerInfo
+    ) -> Generation:
+        """One /v1/completions call, retried on transient failures."""
+        if len(input_ids) >= info.max_model_len:
+            return Generation([], [], "length", self.weight_version)
+        max_tokens = min(sampling.max_new_tokens, info.max_model_len - len(input_ids))
+        where = f"{self.url} request {rid}"
+
+        async def attempt() -> Generation:
+            await self._not_syncing.wait()
+            if rid in self._aborted:  # aborted while waiting to retry, or during a sync
+                return Generation([], [], "abort", self.weight_version)
+            self._attempts += 1
+            wire_rid = f"{rid}#{self._attempts}"
+            version = self.weight_version
+            payload = completion_payload(input_ids, sampling, wire_rid, info.model, max_tokens)
+            post = asyncio.ensure_future(self._post("/v1/completions", payload, self.config.timeout_s))
+            self._wire_rids[rid], self._posts[rid] = wire_rid, post
+            try:
+                body = await post
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if post.cancelled() and rid in self._aborted and not (task and task.cancelling()):
+                    return Generation([], [], "abort", version)  # abort() closed the connection
+                raise
+            except RetryableError as exc:
+                if isinstance(exc.__cause__, TimeoutError) and not isinstance(
+                    exc.__cause__, aiohttp.ConnectionTimeoutError
+                ):
+                    await self._abort_quietly(wire_rid)  # the server may still be running it
+                raise
+            finally:
+                if self._wire_rids.get(rid) == wire_rid:
+                    del self._wire_rids[rid], self._posts[rid]
+            return parse_completion(body, where, version)
+
+        try:
+            return await self._with_retries(attempt)
+        except RetryableError as exc:
+            attempts = self.config.max_retries + 1
+            raise ServerUnavailableError(f"{where} failed after {attempts} attempts: {exc}") from exc
+
+    async def server_info(self) -> VLLMServerInfo:
+        """The served model and context length (``/v1/models``) and, with the development endpoints,
+        the logprobs mode and device (``/server_info``) and weight version (``/weight_info``); read once."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self._read_server_info()
+        return self._info
+
+    async def _read_server_info(self) -> VLLMServerInfo:
+        models = await self._control("GET", "/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+            raise EngineError(f"{self.url}/v1/models lists no model: is this a vLLM server?")
+        model, max_model_len = str(data[0]["id"]), data[0].get("max_model_len")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise EngineError(f"{self.url}/v1/models gives no max_model_len for {model!r}")
+        try:
+            config = (await self._control("GET", "/server_info?config_format=json")).get("vllm_config", {})
+        except ServerUnavailableError:
+            raise
+        except EngineError:
+            return VLLMServerInfo(model, max_model_len)  # no development endpoints
+        self.weight_version = await self.get_weight_version() or 0  # a server synced before this client
+        return VLLMServerInfo(
+            model,
+            max_model_len,
+            logprobs_mode=(config.get("model_config") or {}).get("logprobs_mode"),
+            device=(config.get("device_config") or {}).get("device"),
+        )
+
+    def _warn_if_mode_unknown(self, info: VLLMServerInfo) -> None:
+        if info.logprobs_mode is None and not self._warned_unknown_mode:
+            self._warned_unknown_mode = True
+            logger.warning(
+                "%s serves no /server_info (start vLLM with VLLM_SERVER_DEV_MODE=1): its --logprobs-mode is "
+                "unknown; logprobs are right only with processed_logprobs, or raw_logprobs at temperature 1",
+                self.url,
+            )
+
+    # ----- control endpoints -------------------------------------------------------------------
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (its generate returns finish "abort" and is not resumed), or all."""
+        if rid is None:
+            self._aborted.update(self._active)
+            if not await self._abort_on_server(None):
+                for post in list(self._posts.values()):
+                    post.cancel()
+            return
+        self._aborted.add(rid)
+        wire_rid = self._wire_rids.get(rid)
+        if wire_rid is not None and not await self._abort_on_server([engine_request_id(wire_rid)]):
+            self._posts[rid].cancel()  # vLLM aborts a request whose client disconnects
+
+    async def _abort_on_server(self, request_ids: list[str] | None) -> bool:
+        """``/abort_requests`` (every request without ids); False when the server has no such endpoint."""
+        if self._abort_endpoint:
+            try:
+                await self._control("POST", "/abort_requests", {"request_ids": request_ids} if request_ids else {})
+                return True
+            except ServerUnavailableError:
+                raise
+            except EngineError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                self._abort_endpoint = False
+        return False
+
+    async def _abort_quietly(self, wire_rid: str) -> None:
+        with contextlib.suppress(EngineError):
+            await self._request("POST", "/abort_requests", {"request_ids": [engine_request_id(wire_rid)]}, 5.0)
+
+    async def get_weight_version(self) -> int | None:
+        """The server's weight version as ``/weight_info`` reports it (None: never updated)."""
+        return parse_weight_version((await self._control("GET", "/weight_info")).get("weight_version"))
+
+    async def flush_cache(self) -> None:
+        """``/reset_prefix_cache``; EngineError when vLLM refuses (blocks still held by running requests)."""
+        body = await self._control("POST", "/reset_prefix_cache")
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{self.url}/reset_prefix_cache: vLLM refused (requests still hold cached blocks)")
+
+    async def pause_generation(self) -> None:
+        """Stop generating: in-flight requests are aborted (and resumed by their clients once
+        generation continues); new ones wait."""
+        await self._control("POST", "/pause?mode=abort")
+
+    async def continue_generation(self) -> None:
+        await self._control("POST", "/resume")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> int:
+        """Reload the weights saved at ``model_path`` (a model directory the server can read) in place
+        and name them ``weight_version``; generation is not paused (``sync_weights_from_disk`` does)."""
+        check_model_dir(model_path)
+        view = None
+        if (await self.server_info()).device == "cpu":
+            view = await asyncio.to_thread(tied_lm_head_view, Path(model_path))
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(view or model_path)}}
+        try:  # not retried: a reload that failed once has taken the engine down
+            await self._request("POST", "/collective_rpc", rpc, self.config.control_timeout_s)
+        except RetryableError as exc:
+            raise ServerUnavailableError(f"{self.url}: reloading weights from {model_path} failed: {exc}") from exc
+        finally:
+            if view is not None:
+                await asyncio.to_thread(shutil.rmtree, view, True)
+        await self.flush_cache()
+        await self._control("POST", "/update_weight_version", {"new_version": str(weight_version)})
+        self.weight_version = weight_version
+        return weight_version
+
+    async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
+        """pause -> reload -> reset prefix cache -> continue (the module docstring has the details);
+        generation continues even if the reload fails."""
+        check_model_dir(model_path)
+        async with self._sync_lock:
+            self._not_syncing.clear()
+            try:
+                await self.pause_generation()
+                try:
+                    return await self.update_weights_from_disk(model_path, weight_version)
+                finally:
+                    await self.continue_generation()
+            finally:
+                self._not_syncing.set()
+
+    async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        raise EngineError(
+            f"{self.url}: a vLLM server loads weights from disk; save them (trainer.weight_sync.save_weights) "
+            "and call sync_weights_from_disk(path, version)"
+        )

