@@ -1,11 +1,13 @@
 """``rallyrl serve``: any rallyrl engine behind SGLang's HTTP API, so SGLang clients work unchanged.
 
-Native API (as ``sglang.launch_server`` serves it), here: ``/generate`` (one request or a batch;
-JSON or SSE-streamed), ``/health``, ``/health_generate``, ``/get_model_info``,
+Native API (as ``sglang.launch_server`` serves it), here: ``/generate`` (one request, a batch or
+``n`` samples; JSON or SSE-streamed), ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
 ``/pause_generation``, ``/continue_generation``. OpenAI-compatible (``rollout/server_openai.py``):
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``. ``sampling_params`` are read with
 SGLang's defaults and generations end where SGLang ends them (``rollout/server_generate.py``).
+Answers, errors included, have SGLang 0.5.23's shapes: ``tests/real_engines/test_sglang_conformance.py``
+compares them with a real SGLang and lists where rallyrl serve differs on purpose.
 
 Weight updates follow SGLang: ``/update_weights_from_disk`` waits for the requests in flight
 (or aborts them with ``abort_all_requests``) while new ones wait, so every ``/generate``
@@ -24,17 +26,24 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
 from rollout.config import ServeConfig
 from rollout.engines.base import Engine, EngineError, FlushesCache, Generation, PartialGeneration, SamplingParams
-from rollout.engines.sglang_protocol import generate_response, parse_weight_version
+from rollout.engines.sglang_protocol import parse_weight_version
 from rollout.faults import install_faults
-from rollout.server_generate import GenerateItem, eos_token_ids, generate_chunks, generate_items, output_text
-from rollout.server_http import BadRequest, error_response, json_body, json_response, model_config, sse_response
+from rollout.server_generate import GenerateItem, eos_token_ids, generate_chunks, generate_items, generate_output
+from rollout.server_http import (
+    BadRequest,
+    error_response,
+    json_body,
+    json_response,
+    model_config,
+    send_event,
+    sse_response,
+)
 from rollout.server_openai import OpenAIRoutes
 
 SERVER_VERSION = "rallyrl-0.1.0"
@@ -53,9 +62,14 @@ class EngineServer:
         self.config = config
         self.model_name = config.served_model_name or Path(config.model).name
         self.vocab_size: int | None = model_config(config.model).get("vocab_size")
+        self.context_length: int | None = config.engine.max_model_len or model_config(config.model).get(
+            "max_position_embeddings")  # fmt: skip
+        """Prompt and new tokens together; longer requests are refused, as SGLang refuses them."""
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
         """Where a generation ends unless ``ignore_eos`` (besides the request's ``stop_token_ids``)."""
         self.weight_version: int | None = None  # None until the first update ("default" in SGLang)
+        self._version_names: dict[int, str] = {}
+        """The name each update gave its version (``weight_version`` of the request, as SGLang keeps it)."""
         self.started = time.time()
         self._open = asyncio.Event()  # set while new requests may start
         self._open.set()
@@ -100,7 +114,7 @@ class EngineServer:
         try:
             return await handler(request)
         except BadRequest as exc:
-            return error_response(request, 400, str(exc))
+            return error_response(request, 400, str(exc), exc.kind)
         except EngineError as exc:
             return error_response(request, 500, f"engine error: {exc}")
         except web.HTTPException:
@@ -133,26 +147,31 @@ class EngineServer:
             async for chunk in chunks:
                 generation = chunk
         assert isinstance(generation, Generation)
+        self._count(generation)
+        return generation
+
+    def _count(self, generation: Generation) -> None:
         self.counters["requests"] += 1
         self.counters["generated_tokens"] += len(generation.output_ids)
         self.counters["aborted"] += generation.finish_reason == "abort"
-        return generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's ``/generate``: ``text`` or ``input_ids``, one or a batch."""
-        body = await json_body(request)
+        """SGLang's ``/generate``: ``text`` or ``input_ids``, one or a batch (or ``n`` samples), answered
+        at once or streamed."""
+        body = await json_body(request, required=True)
         items, batched = generate_items(self, body)
-        if body.get("stream"):
-            if batched:
-                raise BadRequest("stream: streaming a batch is not supported; send one request per prompt")
-            return await self._generate_streamed(request, items[0])
         started = time.monotonic()
-        generations = await asyncio.gather(
-            *(self.generate_tokens(item.input_ids, item.sampling, item.rid, item.options.stop) for item in items)
-        )
-        latency = time.monotonic() - started
-        outputs = [self._generate_output(item, gen, latency) for item, gen in zip(items, generations, strict=True)]
+        if body.get("stream"):
+            return await self._generate_streamed(request, items, batched, started)
+        generations = await asyncio.gather(*(self.generate_item(item) for item in items))
+        outputs = [generate_output(self, item, gen, started) for item, gen in zip(items, generations, strict=True)]
         return json_response(outputs if batched else outputs[0])
+
+    async def generate_item(self, item: GenerateItem) -> Generation:
+        """One item's generation, ended where SGLang ends it."""
+        if item.no_tokens:  # max_new_tokens 0: SGLang answers "length" with no tokens
+            return Generation([], [], "length", self.weight_version or 0)
+        return await self.generate_tokens(item.input_ids, item.sampling, item.rid, item.options.stop)
 
     def check_vocabulary(self, ids: list[int], name: str) -> None:
         low, high = min(ids), max(ids)
@@ -160,27 +179,73 @@ class EngineServer:
             bad = low if low < 0 else high
             raise BadRequest(f"{name}: token id {bad} is outside the vocabulary (0..{(self.vocab_size or 0) - 1})")
 
-    def _generate_output(
-        self, item: GenerateItem, generation: Generation | PartialGeneration, latency: float
-    ) -> dict[str, Any]:
-        """One ``/generate`` result object, as SGLang builds it."""
-        text = output_text(self.tokenizer, generation, item.options)
-        version = self.version_text()
-        return generate_response(item.input_ids, generation, item.rid, text, version, item.return_logprob, latency)
-
-    async def _generate_streamed(self, request: web.Request, item: GenerateItem) -> web.StreamResponse:
-        """SSE: ``data: {...}`` with the cumulative text and ids after each step, then ``data: [DONE]``."""
+    async def _generate_streamed(
+        self, request: web.Request, items: list[GenerateItem], batched: bool, started: float
+    ) -> web.StreamResponse:
+        """SSE: ``data: {...}`` with the cumulative text and ids after each decode step, then
+        ``data: [DONE]``; the prompts of a batch stream together, each chunk naming its ``index``.
+        An engine failure on the way is sent as ``data: {"error": {"message": ...}}``, as SGLang
+        sends its own."""
         response = await sse_response(request)
-        started = time.monotonic()
-        stop = item.options.stop
-        chunks = generate_chunks(self.engine, self.tokenizer, item.input_ids, item.sampling, item.rid, stop, True)
-        async with self._admitted(), contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                output = self._generate_output(item, chunk, time.monotonic() - started)
-                await response.write(b"data: " + orjson.dumps(output) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+        first = set(range(len(items)))
+        try:
+            async with contextlib.aclosing(self.stream_generations(items)) as chunks:
+                async for index, chunk in chunks:
+                    output = generate_output(self, items[index], chunk, started, first_of_stream=index in first)
+                    first.discard(index)
+                    await send_event(response, {**output, "index": index} if batched else output)
+        except EngineError as exc:
+            await send_event(response, {"error": {"message": f"engine error: {exc}"}})
+        await send_event(response, "[DONE]")
         await response.write_eof()
         return response
+
+    async def stream_generations(
+        self, items: Sequence[GenerateItem]
+    ) -> AsyncIterator[tuple[int, Generation | PartialGeneration]]:
+        """The generations of ``items`` made together, as SGLang ends and streams them (``stream_interval``
+        1): the tokens so far after each new token, the last step being the final ``Generation``, each
+        with its item's index, in the order they come. The items are admitted together (held while
+        paused)."""
+        chunks: asyncio.Queue[tuple[int, Generation | PartialGeneration | BaseException | None]] = asyncio.Queue()
+
+        async def stream(index: int, item: GenerateItem) -> None:
+            try:
+                if item.no_tokens:
+                    await chunks.put((index, await self.generate_item(item)))
+                    return
+                parts = generate_chunks(self.engine, self.tokenizer, item.input_ids, item.sampling, item.rid,
+                                        item.options.stop, True)  # fmt: skip
+                async with contextlib.aclosing(parts):
+                    async for part in parts:
+                        await chunks.put((index, part))
+            except Exception as exc:  # raised where the chunks are read
+                await chunks.put((index, exc))
+            finally:
+                await chunks.put((index, None))
+
+        async with self._admitted():
+            tasks = [asyncio.create_task(stream(index, item)) for index, item in enumerate(items)]
+            shown = [0] * len(items)  # tokens sent per item; the newest waits: the final may be next
+            try:
+                running = len(tasks)
+                while running:
+                    index, chunk = await chunks.get()
+                    if chunk is None:
+                        running -= 1
+                        continue
+                    if isinstance(chunk, BaseException):
+                        raise chunk
+                    for count in range(shown[index] + 1, len(chunk.output_ids)):
+                        yield index, PartialGeneration(chunk.output_ids[:count], chunk.output_logprobs[:count])
+                    shown[index] = max(shown[index], len(chunk.output_ids) - 1)
+                    if isinstance(chunk, Generation):
+                        self._count(chunk)
+                        yield index, chunk
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     # ----- health and info -------------------------------------------------------------------
 
@@ -203,10 +268,15 @@ class EngineServer:
         return json_response(
             {
                 "model_path": self.config.model,
+                "served_model_name": self.model_name,
                 "tokenizer_path": self.config.model,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.version_text(),
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": self.config.tool_parser,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": config.get("model_type"),
@@ -224,7 +294,7 @@ class EngineServer:
             {
                 "model_path": self.config.model,
                 "tokenizer_path": self.config.model,
-                "context_length": model_config(self.config.model).get("max_position_embeddings"),
+                "context_length": self.context_length,
                 "is_embedding": False,
                 "host": self.config.host,
                 "port": self.config.port,
@@ -232,7 +302,9 @@ class EngineServer:
                 "served_model_name": self.model_name,
                 "weight_version": self.version_text(),
                 "tool_call_parser": self.config.tool_parser,
+                "tp_size": 1,
                 "dp_size": 1,
+                "disaggregation_mode": "null",
                 "status": "ready",
                 "internal_states": [state],
                 "version": SERVER_VERSION,
@@ -241,7 +313,15 @@ class EngineServer:
         )
 
     def version_text(self) -> str:
-        return "default" if self.weight_version is None else str(self.weight_version)
+        """The name of the weights served now: "default" until the first update, then the
+        ``weight_version`` that update was given (its number when it was given none)."""
+        return "default" if self.weight_version is None else self.version_name(self.weight_version)
+
+    def version_name(self, version: int) -> str:
+        """The name of the engine's weight ``version`` (versions older than every update: "default")."""
+        if version in self._version_names:
+            return self._version_names[version]
+        return "default" if not self._version_names or version < min(self._version_names) else str(version)
 
     # ----- control ---------------------------------------------------------------------------
 
@@ -263,8 +343,11 @@ class EngineServer:
         """Hold new requests; abort the ones in flight (their clients resume them)."""
         body = await json_body(request)
         mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract"):
-            raise BadRequest(f"mode: {mode!r} is not supported by rallyrl serve (abort or retract)")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode: expected abort, retract or in_place, got {mode!r}", "schema")
+        if mode == "in_place":
+            raise BadRequest("mode: in_place is not supported by rallyrl serve (the engine cannot hold a request "
+                             "half-way): use abort or retract, whose requests the clients resume")  # fmt: skip
         self._paused = True
         self._open.clear()
         await self.engine.abort(None)
@@ -281,7 +364,7 @@ class EngineServer:
         body = await json_body(request)
         model_path = body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
-            raise BadRequest("model_path: expected the directory of the new weights")
+            raise BadRequest("model_path: expected the directory of the new weights", "schema")
         version = body.get("weight_version")
         async with self._update_lock:
             self._open.clear()
@@ -294,6 +377,7 @@ class EngineServer:
                     state_dict = await asyncio.to_thread(load_weights_dir, Path(model_path))
                     new = _version_number(version, self.weight_version)
                     self.weight_version = await self.engine.update_weights(state_dict, weight_version=new)
+                    self._version_names[self.weight_version] = str(self.weight_version if version is None else version)
                 except (OSError, ValueError, EngineError) as exc:
                     failure = {"success": False, "message": f"{model_path}: {exc}", "num_paused_requests": 0}
                     return json_response(failure, status=400)

@@ -1,6 +1,7 @@
-"""How ``rallyrl serve`` runs ``/generate`` the way SGLang does: the request read into one item per
-prompt, the generation ended where SGLang's scheduler ends it, and ``text`` written as SGLang's
-detokenizer writes it.
+"""How ``rallyrl serve`` runs ``/generate`` the way SGLang 0.5.23 does: the request read into one item
+per prompt (and per sample, with ``n``), the generation ended where SGLang's scheduler ends it, and
+the answer written as SGLang writes it (``text`` as its detokenizer trims it, ``meta_info`` with its
+keys in its order).
 
 SGLang checks after every token, in this order (``Req.check_finished`` in ``schedule_batch.py``):
 ``max_new_tokens`` reached ("length", even when that token is a stop token), then a stop token
@@ -12,13 +13,14 @@ included; only ``text`` is trimmed (``DetokenizerManager.trim_matched_stop``).
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from rollout.engines.base import Engine, Generation, PartialGeneration, SamplingParams, StreamsGenerations
-from rollout.engines.sglang_protocol import OutputOptions, sampling_from_payload
+from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload, sampling_from_payload
 from rollout.server_http import BadRequest, model_config
 
 if TYPE_CHECKING:
@@ -27,13 +29,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class GenerateItem:
-    """One prompt of a ``/generate`` request and what was asked for it."""
+    """One prompt (one sample of it, with ``n``) of a ``/generate`` request and what was asked for it."""
 
     input_ids: list[int]
     sampling: SamplingParams
     options: OutputOptions
     rid: str
     return_logprob: bool
+    text_in_logprobs: bool = False
+    """``return_text_in_logprobs``: each logprob triple carries its token's text."""
+    no_tokens: bool = False
+    """``max_new_tokens`` 0: answered at once with no output (the engine is not asked)."""
 
 
 def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
@@ -49,59 +55,160 @@ def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
-def generate_items(server: EngineServer, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
-    """One ``GenerateItem`` per prompt of a ``/generate`` body, and whether the request was a batch."""
-    if "input_ids" in body and body["input_ids"] is not None:
+# ----- reading the request ---------------------------------------------------------------------------
+
+NUMBER = "a number"
+INTEGER = "an integer"
+FLAG = "true or false"
+TEXT = "a string"
+TEXTS = "a string or a list of strings"
+IDS = "a list of token ids"
+OBJECT = "an object"
+SAMPLING_TYPES = {
+    "max_new_tokens": INTEGER, "stop": TEXTS, "stop_token_ids": IDS, "stop_regex": TEXTS, "temperature": NUMBER,
+    "top_p": NUMBER, "top_k": INTEGER, "min_p": NUMBER, "frequency_penalty": NUMBER, "presence_penalty": NUMBER,
+    "repetition_penalty": NUMBER, "min_new_tokens": INTEGER, "n": INTEGER, "json_schema": TEXT, "regex": TEXT,
+    "ebnf": TEXT, "structural_tag": TEXT, "ignore_eos": FLAG, "skip_special_tokens": FLAG,
+    "spaces_between_special_tokens": FLAG, "no_stop_trim": FLAG, "stream_interval": INTEGER, "logit_bias": OBJECT,
+    "sampling_seed": INTEGER, "seed": INTEGER, "custom_params": OBJECT, "beam_width": INTEGER,
+}  # fmt: skip
+"""The JSON type of every sampling parameter SGLang 0.5.23's ``/generate`` schema knows (``seed`` is
+rallyrl's alias of ``sampling_seed``); null is the default of each."""
+NOT_SERVED = {"beam_width": "there is no beam search"}
+"""Parameters SGLang knows that ``rallyrl serve`` refuses unless null (besides ``UNSUPPORTED_SAMPLING``)."""
+
+
+def _is(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind in (NUMBER, INTEGER):
+        return not isinstance(value, bool) and isinstance(value, int if kind == INTEGER else (int, float))
+    if kind == FLAG:
+        return isinstance(value, bool)
+    if kind == TEXT:
+        return isinstance(value, str)
+    if kind == TEXTS:
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    if kind == IDS:
+        return isinstance(value, list) and all(_is(v, INTEGER) and v is not None for v in value)
+    return isinstance(value, dict)
+
+
+def check_sampling_types(params: Any, name: str = "sampling_params") -> None:
+    """SGLang's schema check of ``sampling_params``: each key one it knows, each value of its JSON type
+    (a ``contract`` BadRequest naming the field otherwise)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise BadRequest(f"{name}: expected an object (or a list of objects for a batch)", "schema")
+    for key, value in params.items():
+        if key not in SAMPLING_TYPES:
+            raise BadRequest(f"{name}.{key}: not a sampling parameter of SGLang", "contract")
+        if not _is(value, SAMPLING_TYPES[key]):
+            raise BadRequest(f"{name}.{key}: expected {SAMPLING_TYPES[key]}, got {value!r}", "contract")
+        if key in NOT_SERVED and value is not None:
+            raise BadRequest(f"{name}.{key}: not supported by rallyrl serve ({NOT_SERVED[key]})")
+
+
+def _prompts(server: EngineServer, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The token ids of every prompt of a ``/generate`` body, and whether it was a batch."""
+    if body.get("input_ids") is not None:
         prompts = body["input_ids"]
-        if not isinstance(prompts, list) or not prompts:
-            raise BadRequest("input_ids: expected a non-empty list of token ids (or a list of such lists)")
+        if not isinstance(prompts, list):
+            raise BadRequest("input_ids: expected a list of token ids (or a list of such lists)", "schema")
+        if not prompts:
+            raise BadRequest("input_ids: empty (no tokens)")
         batched = isinstance(prompts[0], list)
         prompts = prompts if batched else [prompts]
         for i, ids in enumerate(prompts):
             name = f"input_ids[{i}]" if batched else "input_ids"
-            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-                raise BadRequest(f"{name}: expected a non-empty list of token ids")
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise BadRequest(f"{name}: expected a list of token ids", "schema")
+            if not ids:
+                raise BadRequest(f"{name}: an empty prompt (no tokens)")
             server.check_vocabulary(ids, name)
-    elif isinstance(body.get("text"), (str, list)):
-        texts = body["text"]
-        batched = isinstance(texts, list)
-        if not all(isinstance(t, str) for t in (texts if batched else [texts])):
-            raise BadRequest("text: expected a string or a list of strings")
-        prompts = [server.encode(t) for t in (texts if batched else [texts])]
-        if not all(prompts):
-            raise BadRequest("text: an empty prompt (no tokens)")
-    else:
+        return prompts, batched
+    texts = body.get("text")
+    if texts is None:
         raise BadRequest("give text or input_ids")
+    batched = isinstance(texts, list)
+    if not all(isinstance(t, str) for t in (texts if batched else [texts])):
+        raise BadRequest("text: expected a string or a list of strings", "schema")
+    prompts = [server.encode(t) for t in (texts if batched else [texts])]
+    if not all(prompts):
+        raise BadRequest("text: an empty prompt (no tokens)")
+    return prompts, batched
+
+
+def generate_items(server: EngineServer, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
+    """One ``GenerateItem`` per prompt (``n`` per prompt, prompt after prompt) of a ``/generate`` body,
+    and whether the answer is a list (a batch, or ``n`` above 1)."""
+    prompts, batched = _prompts(server, body)
     count = len(prompts)
 
     def per_prompt(name: str, default: Any) -> list[Any]:
-        value = body.get(name, default)
-        if batched and isinstance(value, list):
-            if len(value) != count:
-                raise BadRequest(f"{name}: {len(value)} values for {count} prompts")
-            return value
-        return [value] * count
+        """A field given once for every prompt or, in a batch, as a list of one value per prompt."""
+        value = body.get(name)
+        if not isinstance(value, list):
+            return [default if value is None else value] * count
+        if not batched or len(value) != count:
+            raise BadRequest(f"{name}: {len(value)} values for {count} prompt{'s' * (count > 1)}")
+        return value
 
     params = per_prompt("sampling_params", {})
+    listed = isinstance(body.get("sampling_params"), list)
+    for i, p in enumerate(params):
+        check_sampling_types(p, f"sampling_params[{i}]" if listed else "sampling_params")
     logprob = per_prompt("return_logprob", False)
+    starts, tops = per_prompt("logprob_start_len", -1), per_prompt("top_logprobs_num", 0)
+    if any(start not in (None, -1) for start in starts) or any(tops) or body.get("token_ids_logprob") is not None:
+        raise BadRequest("logprob_start_len, top_logprobs_num, token_ids_logprob: rallyrl serve returns the logprob "
+                         "of each generated token only (logprob_start_len -1, no top logprobs)")  # fmt: skip
+    text_in_logprobs = bool(body.get("return_text_in_logprobs"))
+    samples = [1 if (p or {}).get("n") is None else p["n"] for p in params]
+    if len(set(samples)) > 1 or samples[0] < 1:
+        raise BadRequest(f"sampling_params.n: one positive n for every prompt, got {samples}")
+    n = samples[0]
     rids = body.get("rid")
-    if rids is None:
-        rids = [uuid.uuid4().hex for _ in range(count)]
-    elif batched:
-        if not isinstance(rids, list) or len(rids) != count:
-            raise BadRequest(f"rid: expected a list of {count} request ids for a batch")
-    else:
-        rids = [rids]
-    context = model_config(server.config.model).get("max_position_embeddings")
+    if n > 1 or rids is None:
+        rids = [uuid.uuid4().hex for _ in range(count * n)]  # SGLang gives each sample a rid of its own
+    elif isinstance(rids, str):
+        rids = [f"{rids}_{i}" for i in range(count)] if batched else [rids]
+    elif not (isinstance(rids, list) and batched and len(rids) == count):
+        raise BadRequest(f"rid: expected a string or a list of {count} request ids for this batch")
+    samples_in_order = [(i, ids) for i, ids in enumerate(prompts) for _ in range(n)]  # as SGLang orders them
+    items = []
+    for (i, ids), rid in zip(samples_in_order, rids, strict=True):
+        sampling, options, no_tokens = _sampling(server, params[i], ids)
+        items.append(GenerateItem(ids, sampling, options, str(rid), bool(logprob[i]), text_in_logprobs, no_tokens))
+    return items, batched or n > 1
+
+
+def _sampling(
+    server: EngineServer, params: dict[str, Any] | None, ids: list[int]
+) -> tuple[SamplingParams, OutputOptions, bool]:
+    """The engine's SamplingParams for one prompt, its OutputOptions, and whether it asks for no
+    tokens; a prompt and ``max_new_tokens`` that do not fit the context are refused, as in SGLang."""
+    params = {k: v for k, v in (params or {}).items() if k != "n"}
+    context = server.context_length
+    if context is not None and len(ids) >= context:
+        raise BadRequest(f"input_ids: the prompt has {len(ids)} tokens, the context holds {context}")
+    wanted = params.get("max_new_tokens")
+    if context is not None and isinstance(wanted, int) and len(ids) + wanted > context:
+        raise BadRequest(f"sampling_params.max_new_tokens: {len(ids)} prompt tokens + {wanted} new tokens do not "
+                         f"fit the context of {context} tokens")  # fmt: skip
+    no_tokens = wanted == 0
+    if no_tokens:
+        params["max_new_tokens"] = 1
     try:
-        samplings = [sampling_from_payload(p, server.eos_token_ids, context) for p in params]
+        sampling, options = sampling_from_payload(params, server.eos_token_ids,
+                                                  None if context is None else context - len(ids))  # fmt: skip
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    items = [
-        GenerateItem(ids, sampling, options, str(rid), bool(lp))
-        for ids, (sampling, options), rid, lp in zip(prompts, samplings, rids, logprob, strict=True)
-    ]
-    return items, batched
+    return sampling, options, no_tokens
+
+
+# ----- generating ----------------------------------------------------------------------------------------
 
 
 async def generate_chunks(
@@ -157,6 +264,22 @@ class StopStrings:
         return None
 
 
+def _length_first(generation: Generation, sampling: SamplingParams) -> Generation:
+    """SGLang checks the length before the stop tokens: a stop token as the last of ``max_new_tokens``
+    tokens ends the generation with "length"."""
+    if generation.finish_reason == "stop" and len(generation.output_ids) >= sampling.max_new_tokens:
+        return replace(generation, finish_reason="length")
+    return generation
+
+
+async def _whole(engine: Engine, input_ids: list[int], sampling: SamplingParams, rid: str) -> AsyncIterator[Generation]:
+    """An engine that does not stream: its whole generation as one chunk."""
+    yield await engine.generate(input_ids, sampling, rid)
+
+
+# ----- writing the answer ------------------------------------------------------------------------------
+
+
 def output_text(tokenizer: Any, generation: Generation | PartialGeneration, options: OutputOptions) -> str:
     """``text`` as SGLang's detokenizer writes it: special tokens skipped unless asked for, the
     matched stop token or stop string cut off unless ``no_stop_trim``."""
@@ -177,14 +300,46 @@ def output_text(tokenizer: Any, generation: Generation | PartialGeneration, opti
     return text
 
 
-def _length_first(generation: Generation, sampling: SamplingParams) -> Generation:
-    """SGLang checks the length before the stop tokens: a stop token as the last of ``max_new_tokens``
-    tokens ends the generation with "length"."""
-    if generation.finish_reason == "stop" and len(generation.output_ids) >= sampling.max_new_tokens:
-        return replace(generation, finish_reason="length")
-    return generation
+def weight_version_spans(generation: Generation, name: Any) -> list[dict[str, Any]]:
+    """SGLang's ``weight_versions``: the runs of output tokens made by one weight version, each
+    ``{"version": name(v), "start": i, "end": j}`` (one empty run when there are no tokens)."""
+    versions = [name(v) for v in generation.token_weight_versions()] or [name(generation.weight_version)]
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": min(i + 1, len(generation.output_ids))})
+    return spans
 
 
-async def _whole(engine: Engine, input_ids: list[int], sampling: SamplingParams, rid: str) -> AsyncIterator[Generation]:
-    """An engine that does not stream: its whole generation as one chunk."""
-    yield await engine.generate(input_ids, sampling, rid)
+def generate_output(server: EngineServer, item: GenerateItem, generation: Generation | PartialGeneration,
+                    started: float, first_of_stream: bool | None = None) -> dict[str, Any]:  # fmt: skip
+    """One ``/generate`` answer, or one chunk of a stream (``first_of_stream`` True or False), with
+    SGLang 0.5.23's ``meta_info`` keys in its order. ``weight_version`` names the version of the last
+    token; ``cached_tokens`` is 0 (there is no prefix cache report); ``response_sent_to_client_ts`` is
+    on a whole answer and on the first chunk of a stream."""
+    finished = isinstance(generation, Generation)
+    version = server.version_name(generation.weight_version) if finished else server.version_text()
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": finish_reason_payload(generation) if finished else None,
+        "prompt_tokens": len(item.input_ids),
+        "weight_version": version,
+        "num_retractions": 0,
+    }
+    ids = list(generation.output_ids)
+    if item.return_logprob:  # SGLang's default logprob_start_len -1: no prompt logprobs
+        texts = [server.decode([t]) for t in ids] if item.text_in_logprobs else [None] * len(ids)
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [list(t) for t in zip(generation.output_logprobs, ids, texts, strict=True)]
+        meta["output_token_logprobs_length"] = len(ids)
+    meta |= {"reasoning_tokens": 0, "completion_tokens": len(ids), "cached_tokens": 0}
+    if finished:
+        meta["weight_versions"] = weight_version_spans(generation, server.version_name)
+    meta |= {"cached_tokens_details": None, "dp_rank": None}
+    if finished:
+        meta["e2e_latency"] = time.monotonic() - started
+    if first_of_stream is not False:
+        meta["response_sent_to_client_ts"] = time.time()
+    return {"text": output_text(server.tokenizer, generation, item.options), "output_ids": ids, "meta_info": meta}

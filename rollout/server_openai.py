@@ -1,20 +1,24 @@
-"""The OpenAI-compatible endpoints of ``rallyrl serve``: ``/v1/models``, ``/v1/completions`` and
-``/v1/chat/completions`` (tools rendered by the chat template, tool calls parsed by rallyrl's
-parsers and returned as ``tool_calls``), over the server's engine."""
+"""The OpenAI-compatible endpoints of ``rallyrl serve``, answered as SGLang 0.5.23 answers them:
+``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (tools rendered by the chat template
+as the client sent them, tool calls parsed by rallyrl's parsers and returned as ``tool_calls``),
+JSON or streamed, over the server's engine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
-from rollout.engines.base import Generation, SamplingParams
+from rollout.engines.base import Generation, PartialGeneration, SamplingParams
+from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload
 from rollout.parsers import get_parser
-from rollout.server_http import BadRequest, json_body, json_response, model_config, sse_response
+from rollout.server_generate import GenerateItem, output_text, weight_version_spans
+from rollout.server_http import BadRequest, json_body, json_response, send_event, sse_response
 from rollout.tokens import ChatTokenizer, TemplateError
 
 if TYPE_CHECKING:
@@ -38,189 +42,304 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         server = self.server
         model = {"id": server.model_name, "object": "model", "created": int(server.started), "owned_by": "rallyrl",
-                 "root": server.config.model, "max_model_len": model_config(server.config.model).get(
-                     "max_position_embeddings")}  # fmt: skip
+                 "root": server.config.model, "parent": None, "max_model_len": server.context_length}  # fmt: skip
         return json_response({"object": "list", "data": [model]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Text (or token id) prompts continued; ``n`` samples of each."""
         server = self.server
-        body = await json_body(request)
+        body = await _request_body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompts = [server.encode(prompt)]
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            server.check_vocabulary(prompt, "prompt")
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompts = [server.encode(p) for p in prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(type(t) is int for t in p)
+                                                         for p in prompt):  # fmt: skip
+            prompts = prompt
         else:
-            raise BadRequest("prompt: expected a string, a list of strings or a list of token ids")
+            raise BadRequest("prompt: expected a string, a list of strings, token ids or lists of token ids", "schema")
         if not all(prompts):
             raise BadRequest("prompt: an empty prompt (no tokens)")
+        for ids in prompts:
+            server.check_vocabulary(ids, "prompt")
+        n, options = _count(body), OutputOptions(stop=tuple(_stop_strings(body)))
+        items = [self._item(ids, body, [], options, 16, "cmpl") for ids in prompts for _ in range(n)]
+        reply = Reply(self, body, "text_completion", sum(len(ids) for ids in prompts))
         if body.get("stream"):
-            raise BadRequest("stream: streamed /v1/completions is not supported by rallyrl serve; use /generate")
-        sampling, n, stops = self._openai_sampling(body, [], default_max_tokens=16)
-        jobs = [(ids, i * n + j) for i, ids in enumerate(prompts) for j in range(n)]
-        generations = await asyncio.gather(
-            *(server.generate_tokens(ids, sampling, f"cmpl-{uuid.uuid4().hex}", stops) for ids, _ in jobs)
-        )
-        choices, usage = [], _usage()
-        for (ids, index), generation in zip(jobs, generations, strict=True):
-            text, finish = _apply_stop_strings(server.decode(generation.output_ids), stops, generation.finish_reason)
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish,
-                            "matched_stop": None})  # fmt: skip
-            _add_usage(usage, ids, generation)
-        completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": server.model_name, "choices": choices, "usage": usage,
-                      "metadata": {"weight_version": server.version_text()}}  # fmt: skip
-        return json_response(completion)
+            return await reply.stream_completions(request, items)
+        generations = await asyncio.gather(*(server.generate_item(item) for item in items))
+        choices = [reply.text_choice(index, output_text(server.tokenizer, g, options), g)
+                   for index, g in enumerate(generations)]  # fmt: skip
+        return json_response(reply.answer(choices, generations))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """Chat with tools: the chat template renders ``messages`` and ``tools``; tool calls in the
         answer come back as ``message.tool_calls`` with ``finish_reason`` "tool_calls"."""
         server = self.server
-        body = await json_body(request)
+        body = await _request_body(request)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages: expected a non-empty list")
+        if not isinstance(messages, list):
+            raise BadRequest("messages: required, a list of messages", "schema")
+        if not messages:
+            raise BadRequest("messages: empty")
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        schemas = [t.get("function", t) for t in tools] if isinstance(tools, list) else None
+        tools = tools if isinstance(tools, list) and tools else None
         try:
-            chat = ChatTokenizer(server.tokenizer, schemas)
+            chat = ChatTokenizer(server.tokenizer, tools)
             prompt_ids = chat.prompt_ids([_template_message(m, i) for i, m in enumerate(messages)])
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
-        sampling, n, stops = self._openai_sampling(body, chat.stop_token_ids, default_max_tokens=4096)
-        generations = await asyncio.gather(
-            *(server.generate_tokens(prompt_ids, sampling, f"chatcmpl-{uuid.uuid4().hex}", stops) for _ in range(n))
-        )
-        parser = get_parser(server.config.tool_parser)
-        choices, usage = [], _usage()
+        # SGLang keeps special tokens in the text when tools are given (the parser reads them)
+        n, options = _count(body), OutputOptions(stop=tuple(_stop_strings(body)), skip_special_tokens=tools is None)
+        items = [self._item(prompt_ids, body, chat.stop_token_ids, options, None, "chatcmpl") for _ in range(n)]
+        parser = get_parser(server.config.tool_parser) if tools else None
+        reply = Reply(self, body, "chat.completion", len(prompt_ids), parser)
+        if body.get("stream"):
+            return await reply.stream_chat(request, items)
+        generations = await asyncio.gather(*(server.generate_item(item) for item in items))
+        choices = []
         for index, generation in enumerate(generations):
-            text, finish = _apply_stop_strings(chat.assistant_text(generation.output_ids), stops,
-                                               generation.finish_reason)  # fmt: skip
-            turn = parser(text) if schemas else None
-            message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None,
-                                       "tool_calls": None}  # fmt: skip
-            calls = [call for call in turn.calls if call.error is None] if turn else []
-            if calls:
-                message["content"] = turn.content.strip() or None  # type: ignore[union-attr]
-                message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
-                     "function": {"name": call.name, "arguments": orjson.dumps(call.arguments).decode()}}
-                    for i, call in enumerate(calls)
-                ]  # fmt: skip
-                finish = "tool_calls"
+            message, finish, matched = reply.message(generation, options)
             choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None, "finish_reason": finish,
-                                      "matched_stop": None}  # fmt: skip
+                                      "matched_stop": matched}  # fmt: skip
             if body.get("logprobs"):
                 choice["logprobs"] = {"content": [
-                    {"token": server.decode([t]), "logprob": lp, "bytes": list(server.decode([t]).encode()),
+                    {"token": server.decode([t]), "bytes": list(server.decode([t]).encode()), "logprob": lp,
                      "top_logprobs": []}
                     for t, lp in zip(generation.output_ids, generation.output_logprobs, strict=True)
                 ]}  # fmt: skip
             choices.append(choice)
-            _add_usage(usage, prompt_ids, generation)
-        completion = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                      "model": server.model_name, "choices": choices, "usage": usage,
-                      "metadata": {"weight_version": server.version_text()}}  # fmt: skip
-        if body.get("stream"):
-            return await self._chat_stream(request, completion)
-        return json_response(completion)
+        return json_response(reply.answer(choices, generations))
 
-    async def _chat_stream(self, request: web.Request, completion: dict[str, Any]) -> web.StreamResponse:
-        """A finished completion sent as ``chat.completion.chunk`` events: the role, the content,
-        the tool calls, then the finish reason (the text is not streamed token by token)."""
+    def _item(self, prompt_ids: list[int], body: dict[str, Any], stop_token_ids: list[int], options: OutputOptions,
+              default_max_tokens: int | None, prefix: str) -> GenerateItem:  # fmt: skip
+        """One generation of an OpenAI request: SamplingParams from its fields (the prompt and
+        ``max_tokens`` must fit the context, as in SGLang; no ``max_tokens`` in a chat runs to the
+        end of the context). As in SGLang, the model's EOS ids end it too, unless ``ignore_eos``
+        (which turns off every stop token)."""
+        server, context = self.server, self.server.context_length
+        extra = body.get("stop_token_ids") or []
+        if not isinstance(extra, list) or not all(type(t) is int for t in extra):
+            raise BadRequest("stop_token_ids: expected a list of token ids", "schema")
+        ignore_eos = body.get("ignore_eos") or False
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"ignore_eos: expected true or false, got {ignore_eos!r}", "schema")
+        stop_ids = [] if ignore_eos else sorted({*stop_token_ids, *extra, *server.eos_token_ids})
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+            raise BadRequest(f"max_tokens: expected an integer, got {max_tokens!r}", "schema")
+        if context is not None and len(prompt_ids) >= context:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens, the context holds {context}")
+        if max_tokens is None:
+            max_tokens = default_max_tokens or (context - len(prompt_ids) if context else 4096)
+        if context is not None and len(prompt_ids) + max_tokens > context:
+            raise BadRequest(f"max_tokens: {len(prompt_ids)} prompt tokens + {max_tokens} new tokens do not fit the "
+                             f"context of {context} tokens")  # fmt: skip
+        numbers = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
+        for name, value in numbers.items():
+            kind = int if name in ("top_k", "seed") else (int, float)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}",
+                                 "schema")  # fmt: skip
+        try:
+            sampling = SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if numbers["temperature"] is None else float(numbers["temperature"]),
+                top_p=1.0 if numbers["top_p"] is None else float(numbers["top_p"]),
+                top_k=-1 if numbers["top_k"] is None else numbers["top_k"],
+                stop_token_ids=stop_ids,
+                seed=numbers["seed"],
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        return GenerateItem(prompt_ids, sampling, options, f"{prefix}-{uuid.uuid4().hex}", False)
+
+
+class Reply:
+    """The answer to one OpenAI request, whole or streamed: ids, the model's name, choices, usage
+    and SGLang's ``metadata`` (the weight version of the first choice and its ``weight_versions``)."""
+
+    def __init__(self, routes: OpenAIRoutes, body: dict[str, Any], kind: str, prompt_tokens: int,
+                 parser: Any = None):  # fmt: skip
+        self.server = routes.server
+        self.kind = kind
+        self.chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+        self.prompt_tokens = prompt_tokens
+        self.parser = parser
+        self.id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        model = body.get("model")  # echoed, as SGLang and OpenAI do
+        self.model = model if isinstance(model, str) and model else self.server.model_name
+
+    def answer(self, choices: list[dict[str, Any]], generations: list[Generation]) -> dict[str, Any]:
+        completion_tokens = sum(len(g.output_ids) for g in generations)
+        usage = {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion_tokens,
+                 "completion_tokens": completion_tokens, "prompt_tokens_details": None, "reasoning_tokens": 0,
+                 "completion_tokens_details": None}  # fmt: skip
+        name = self.server.version_name
+        metadata = {"weight_version": name(generations[0].weight_version),
+                    "weight_versions": weight_version_spans(generations[0], name)}  # fmt: skip
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage, "metadata": metadata}  # fmt: skip
+
+    def text_choice(self, index: int, text: str, generation: Generation | None = None) -> dict[str, Any]:
+        finish, matched = (None, None) if generation is None else (generation.finish_reason, _matched(generation))
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+
+    def message(self, generation: Generation, options: OutputOptions) -> tuple[dict[str, Any], str, Any]:
+        """The assistant message of a chat generation (its tool calls parsed), its finish reason and
+        ``matched_stop`` (null for a tool call, as SGLang has it)."""
+        text = output_text(self.server.tokenizer, generation, options)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        turn = self.parser(text) if self.parser else None
+        calls = [call for call in turn.calls if call.error is None] if turn else []
+        if not calls:
+            return message, generation.finish_reason, _matched(generation)
+        message["content"] = turn.content.strip()  # type: ignore[union-attr]
+        message["tool_calls"] = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for i, call in enumerate(calls)
+        ]  # fmt: skip
+        return message, "tool_calls", None
+
+    # ----- streaming ----------------------------------------------------------------------------
+
+    def _chunk(self, choice: dict[str, Any], usage: bool = False) -> dict[str, Any]:
+        """One SSE event; ``usage`` adds ``"usage": null``, as SGLang does on some of its chunks."""
+        chunk = {"id": self.id, "object": self.chunk_kind, "created": self.created, "model": self.model,
+                 "choices": [choice]}  # fmt: skip
+        return {**chunk, "usage": None} if usage else chunk
+
+    async def stream_completions(self, request: web.Request, items: list[GenerateItem]) -> web.StreamResponse:
+        """SSE as SGLang sends it: a chunk per decode step with its new text, the last one with the
+        finish reason; then ``[DONE]``."""
         response = await sse_response(request)
-        base = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
-                "model": completion["model"]}  # fmt: skip
-        for choice in completion["choices"]:
-            message, index = choice["message"], choice["index"]
-            deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-            if message["content"]:
-                deltas.append({"content": message["content"]})
-            if message["tool_calls"]:
-                deltas.append({"tool_calls": message["tool_calls"]})
-            for delta in deltas:
-                chunk = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-            last = {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
-            await response.write(b"data: " + orjson.dumps({**base, "choices": [last]}) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+        sent = [""] * len(items)
+        async with contextlib.aclosing(self.server.stream_generations(items)) as chunks:
+            async for index, chunk in chunks:
+                text = _visible(output_text(self.server.tokenizer, chunk, items[index].options), chunk, items[index])
+                new, sent[index] = text[len(sent[index]) :], text
+                choice = self.text_choice(index, new, chunk if isinstance(chunk, Generation) else None)
+                await send_event(response, self._chunk(choice, usage=True))
+        await send_event(response, "[DONE]")
         await response.write_eof()
         return response
 
-    def _openai_sampling(
-        self, body: dict[str, Any], stop_token_ids: list[int], default_max_tokens: int
-    ) -> tuple[SamplingParams, int, list[str]]:
-        """SamplingParams, n and stop strings from an OpenAI request (the engine's context limit
-        ends a generation that asks for more than fits). As in SGLang, the model's EOS ids end it
-        too, unless ``ignore_eos`` (which turns off every stop token)."""
-        n = body.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise BadRequest(f"n: expected a positive integer, got {n!r}")
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else stops
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise BadRequest("stop: expected a string or a list of strings")
-        stops = [s for s in stops if s]
-        extra = body.get("stop_token_ids") or []
-        if not isinstance(extra, list) or not all(type(t) is int for t in extra):
-            raise BadRequest("stop_token_ids: expected a list of token ids")
-        ignore_eos = body.get("ignore_eos") or False
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest(f"ignore_eos: expected true or false, got {ignore_eos!r}")
-        stop_ids = [] if ignore_eos else sorted({*stop_token_ids, *extra, *self.server.eos_token_ids})
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-        try:
-            sampling = SamplingParams(
-                max_new_tokens=int(max_tokens),
-                temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-                top_p=float(body.get("top_p") or 1.0),
-                top_k=int(body.get("top_k") or -1),
-                stop_token_ids=stop_ids,
-                seed=body.get("seed"),
-            )
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(str(exc)) from None
-        return sampling, n, stops
+    async def stream_chat(self, request: web.Request, items: list[GenerateItem]) -> web.StreamResponse:
+        """SSE as SGLang sends it: the role first, then the new text of each decode step (with tools,
+        the content and each tool call, its arguments whole, once the generation is done), then the
+        finish reason; then ``[DONE]``."""
+        response = await sse_response(request)
+        for index in range(len(items)):
+            await send_event(response, self._delta(index, {"reasoning_content": None, "role": "assistant",
+                                                           "content": ""}))  # fmt: skip
+        sent = [""] * len(items)
+        async with contextlib.aclosing(self.server.stream_generations(items)) as chunks:
+            async for index, chunk in chunks:
+                if self.parser is not None:  # tool calls are parsed from the whole text
+                    if isinstance(chunk, Generation):
+                        await self._send_parsed(response, index, chunk, items[index].options)
+                    continue
+                text = _visible(output_text(self.server.tokenizer, chunk, items[index].options), chunk, items[index])
+                new, sent[index] = text[len(sent[index]) :], text
+                if new:
+                    await send_event(response, self._delta(index, {"reasoning_content": None, "content": new}))
+                if isinstance(chunk, Generation):
+                    await self._send_finish(response, index, chunk.finish_reason, _matched(chunk))
+        await send_event(response, "[DONE]")
+        await response.write_eof()
+        return response
+
+    async def _send_parsed(self, response: web.StreamResponse, index: int, generation: Generation,
+                           options: OutputOptions) -> None:  # fmt: skip
+        """A parsed chat generation as SGLang's tool-call parser streams it: the content, then each
+        call's id and name, then its arguments."""
+        message, finish, _ = self.message(generation, options)
+        if message["content"]:
+            delta = {"role": None, "content": message["content"], "reasoning_content": None}
+            await send_event(response, self._delta(index, delta, usage=True))
+        for call in message.get("tool_calls") or []:
+            function = call["function"]
+            for part in ({"id": call["id"], "name": function["name"], "arguments": ""},
+                         {"id": None, "name": None, "arguments": function["arguments"]}):  # fmt: skip
+                delta = {"role": None, "content": None, "reasoning_content": None, "tool_calls": [
+                    {"id": part["id"], "index": call["index"], "type": "function",
+                     "function": {"name": part["name"], "arguments": part["arguments"]}}]}  # fmt: skip
+                await send_event(response, self._delta(index, delta, usage=True))
+        await self._send_finish(response, index, finish, _matched(generation))  # the stream names the stop token
+
+    async def _send_finish(self, response: web.StreamResponse, index: int, finish: str, matched: Any) -> None:
+        await send_event(response, self._delta(index, {"reasoning_content": None}, finish, matched))
+
+    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None, matched: Any = None,
+               usage: bool = False) -> dict[str, Any]:  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        return self._chunk(choice, usage)
+
+
+# ----- reading OpenAI requests --------------------------------------------------------------------------
+
+
+async def _request_body(request: web.Request) -> dict[str, Any]:
+    """The JSON body of a ``/v1`` POST; as in SGLang, only ``Content-Type: application/json``."""
+    if request.content_type != "application/json":
+        raise BadRequest(f"Content-Type: only application/json is accepted, got {request.content_type!r}", "schema")
+    return await json_body(request, required=True)
+
+
+def _count(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"n: expected a positive integer, got {n!r}", "schema")
+    return n
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadRequest("stop: expected a string or a list of strings", "schema")
+    return [s for s in stops if s]
 
 
 def _template_message(message: Any, index: int) -> dict[str, Any]:
     """An OpenAI chat message as the chat template takes it: assistant tool calls written back
     in the model's own ``<tool_call>`` format, content parts joined into text."""
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
-        raise BadRequest(f"messages[{index}]: expected an object with role system, user, assistant or tool")
+        raise BadRequest(f"messages[{index}]: expected an object with role system, user, assistant or tool", "schema")
     content = message.get("content") or ""
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
     if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content: expected a string or a list of text parts")
+        raise BadRequest(f"messages[{index}].content: expected a string or a list of text parts", "schema")
     for call in message.get("tool_calls") or []:
         function = call.get("function", {}) if isinstance(call, dict) else {}
         arguments = function.get("arguments", "{}")
         try:
-            arguments = orjson.loads(arguments) if isinstance(arguments, str) else arguments
-        except orjson.JSONDecodeError:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
             raise BadRequest(f"messages[{index}].tool_calls: arguments are not valid JSON") from None
-        text = orjson.dumps({"name": function.get("name"), "arguments": arguments}).decode()
+        text = json.dumps({"name": function.get("name"), "arguments": arguments}, separators=(",", ":"))
         content += ("\n" if content else "") + f"<tool_call>\n{text}\n</tool_call>"
     return {"role": message["role"], "content": content}
 
 
-def _apply_stop_strings(text: str, stops: list[str], finish: str) -> tuple[str, str]:
-    """Cut ``text`` at the first stop string (OpenAI's ``stop``)."""
-    cuts = [text.find(s) for s in stops if s and s in text]
-    if cuts:
-        return text[: min(cuts)], "stop"
-    return text, "stop" if finish == "stop" else finish
+# ----- writing OpenAI answers ---------------------------------------------------------------------------
 
 
-def _usage() -> dict[str, int]:
-    return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+def _matched(generation: Generation) -> Any:
+    """SGLang's ``matched_stop``: the stop token or string that ended the generation, else null."""
+    return finish_reason_payload(generation).get("matched") if generation.finish_reason == "stop" else None
 
 
-def _add_usage(usage: dict[str, int], prompt_ids: list[int], generation: Generation) -> None:
-    usage["prompt_tokens"] += len(prompt_ids)
-    usage["completion_tokens"] += len(generation.output_ids)
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+def _visible(text: str, chunk: Generation | PartialGeneration, item: GenerateItem) -> str:
+    """The text of a running generation that may be sent: without its last characters that could
+    still begin a stop string (a finished one is already cut at its stop string)."""
+    hold = max((len(s) - 1 for s in item.options.stop), default=0)
+    return text[: len(text) - hold] if hold and not isinstance(chunk, Generation) else text

@@ -151,10 +151,16 @@ async def test_weight_update_mid_rollout_gives_trajectories_both_versions(tmp_pa
             server_version = await engine.get_weight_version()
     assert_all_accounted(result, tmp_path / "out.jsonl", 64)
     assert server_version == 1
+    assert_resumed_across_the_update(result)
+
+
+def assert_resumed_across_the_update(result) -> None:
+    """No request failed or was aborted, and some spanned the update: old tokens first, then new
+    ones, every kept token with its logprob and weight version."""
     assert not [r.error for r in result.requests if r.finish_reason.value in ("error", "abort")]
     spanning = [r for r in result.requests if {0, 1} <= set(r.weight_versions)]
     assert spanning, "no trajectory was under way during the update"
-    for request in spanning:  # old tokens first, then new ones, and every kept token has its logprob
+    for request in spanning:
         versions = [v for v in request.weight_versions if v is not None]
         assert versions == sorted(versions)
         assert len(request.response_ids) == len(request.logprobs) == len(request.weight_versions)

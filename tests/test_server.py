@@ -115,6 +115,18 @@ def generate_body(
     return {"input_ids": input_ids, "sampling_params": params, **extra}
 
 
+def recorded(name: str) -> Any:
+    """The body of a response recorded from a real SGLang (``tests/fixtures/record_sglang.py``)."""
+    return json.loads((FIXTURES / f"{name}.json").read_text())["body"]
+
+
+def error_message(answer: dict[str, Any]) -> str:
+    """The message of an error in any of SGLang's shapes: ``{"error": {"message"}}``, ``{"error": str}``
+    (its /generate schema check) or OpenAI's ``{"object": "error", "message"}``."""
+    error = answer.get("error", answer)
+    return error if isinstance(error, str) else error["message"]
+
+
 def sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
@@ -200,7 +212,7 @@ async def test_return_logprob_gives_triples_aligned_with_output_ids(client, prom
     triples = body["meta_info"]["output_token_logprobs"]
     assert [token for _, token, _ in triples] == body["output_ids"]
     assert all(isinstance(logprob, float) and logprob <= 0 for logprob, _, _ in triples)
-    assert body["meta_info"]["input_token_logprobs"] == [[None, prompt[-1], None]]
+    assert body["meta_info"]["input_token_logprobs"] == []  # SGLang 0.5.23: none without logprob_start_len
 
 
 async def test_greedy_generation_gives_the_same_result_twice(client, prompt):
@@ -223,6 +235,31 @@ async def test_stop_token_ids_end_the_generation_at_the_first_stop_token(client,
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+async def test_generate_with_one_rid_for_a_batch_numbers_it_per_prompt_like_sglang(client, prompt):
+    status, answers = await post(client, "/generate", generate_body([prompt, prompt], 2, rid="batch"))
+    assert status == 200
+    assert [answer["meta_info"]["id"] for answer in answers] == ["batch_0", "batch_1"]
+
+
+async def test_max_new_tokens_zero_answers_no_tokens_with_finish_length_like_sglang(client, prompt):
+    status, answer = await post(client, "/generate", generate_body(prompt, 0))
+    assert status == 200
+    assert answer["output_ids"] == []
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+async def test_a_streamed_batch_sends_each_prompts_chunks_with_its_index_like_sglang(client, prompt):
+    body = generate_body([prompt, prompt[:-3]], 3, sampling={"ignore_eos": True}, stream=True)
+    async with client.post("/generate", json=body) as response:
+        events = sse_events(await response.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    for index in (0, 1):
+        mine = [chunk for chunk in chunks if chunk["index"] == index]
+        assert [len(chunk["output_ids"]) for chunk in mine] == [1, 2, 3]
+        assert mine[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -233,47 +270,65 @@ async def test_stop_token_ids_end_the_generation_at_the_first_stop_token(client,
         ({"sampling_params": {}}, "text or input_ids"),
         ({"text": ["a", 5]}, "text"),
         ({"input_ids": [5, 6], "sampling_params": {"temperature": "hot"}}, "sampling_params"),
-        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 5000}}, "max_new_tokens"),
         ({"input_ids": [5, 6], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [5, 6], "sampling_params": {"stop_token_ids": "2"}}, "sampling_params.stop_token_ids"),
         ({"input_ids": [5, 6], "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params"),
         ({"input_ids": [[5], [6]], "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params: 1 values for 2"),
-        ({"input_ids": [[5], [6]], "rid": "one"}, "rid"),
+        ({"input_ids": [[5], [6]], "rid": ["one"]}, "rid"),
     ],
     ids=lambda value: None if isinstance(value, dict) else value,
 )
 async def test_a_bad_generate_request_is_a_400_naming_the_field(client, body, field):
     status, answer = await post(client, "/generate", body)
     assert status == 400
-    assert field in answer["error"]["message"]
+    assert field in error_message(answer)
+
+
+@pytest.mark.parametrize(
+    ("body", "shape"),
+    [
+        ({"input_ids": [5, 6], "sampling_params": {"not_a_param": 1}}, {"error"}),  # SGLang's schema check
+        ({"input_ids": "5 6"}, {"object", "message", "type", "param", "code"}),  # its FastAPI validation
+        ({"input_ids": []}, {"error"}),
+    ],
+    ids=["unknown_sampling_param", "wrong_json_type", "empty_prompt"],
+)
+async def test_a_bad_generate_request_has_the_error_body_sglang_gives_it(client, body, shape):
+    status, answer = await post(client, "/generate", body)
+    assert status == 400
+    assert set(answer) == shape
+    if shape == {"error"}:
+        assert isinstance(answer["error"], str) == ("not_a_param" in json.dumps(body))
 
 
 @pytest.mark.parametrize(("params", "field"), [({"temperature": "hot"}, "temperature"), ({"top_k": "x"}, "top_k")])
 async def test_a_sampling_param_of_the_wrong_type_is_named_in_the_400(client, params, field):
     status, answer = await post(client, "/generate", {"input_ids": [5, 6], "sampling_params": params})
     assert status == 400
-    assert f"sampling_params.{field}" in answer["error"]["message"]
+    assert f"sampling_params.{field}" in error_message(answer)
 
 
 @pytest.mark.parametrize(("raw", "message"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object")])
 async def test_a_body_that_is_not_a_json_object_is_a_400(client, raw, message):
     async with client.post("/generate", data=raw, headers={"Content-Type": "application/json"}) as response:
         assert response.status == 400
-        assert message in (await response.json())["error"]["message"]
+        assert message in error_message(await response.json())
 
 
 @pytest.mark.parametrize("input_ids", [5, {"a": 1}], ids=["number", "object"])
 async def test_input_ids_that_are_not_a_list_are_a_400(client, input_ids):
     status, answer = await post(client, "/generate", {"input_ids": input_ids})
     assert status == 400
-    assert "input_ids" in answer["error"]["message"]
+    assert "input_ids" in error_message(answer)
 
 
 @pytest.mark.parametrize("token", [10**6, -1])
 async def test_an_input_id_outside_the_vocabulary_is_a_400(client, token):
     status, answer = await post(client, "/generate", generate_body([5, token]))
     assert status == 400
-    assert "input_ids" in answer["error"]["message"]
+    assert "input_ids" in error_message(answer)
 
 
 async def test_an_input_id_outside_the_vocabulary_does_not_fail_the_requests_batched_with_it(client, prompt):
@@ -296,10 +351,10 @@ async def test_health_endpoints_answer_200(client, path):
 
 
 async def test_get_model_info_has_sglangs_keys_and_the_model(client):
-    recorded = json.loads((FIXTURES / "get_model_info.json").read_text())
+    sglangs = recorded("get_model_info")
     status, info = await get(client, "/get_model_info")
     assert status == 200
-    assert list(info) == list(recorded)
+    assert list(info) == [key for key in sglangs if key != "embedding"]  # rallyrl serves no embeddings
     assert info["model_path"] == str(EMBEDDED_MODEL)
     assert info["weight_version"] == "default"
     assert info["model_type"] == "qwen2"
@@ -307,11 +362,12 @@ async def test_get_model_info_has_sglangs_keys_and_the_model(client):
 
 
 async def test_get_server_info_reports_the_server_settings_and_state(client):
-    recorded = json.loads((FIXTURES / "get_server_info.json").read_text())
+    sglangs = recorded("get_server_info")
     status, info = await get(client, "/get_server_info")
     assert status == 200
-    for key in ("model_path", "context_length", "served_model_name", "weight_version", "status", "internal_states"):
-        assert key in recorded and key in info
+    for key in ("model_path", "context_length", "weight_version", "tp_size", "dp_size", "disaggregation_mode",
+                "status", "internal_states"):  # fmt: skip
+        assert key in sglangs and key in info
     assert info["served_model_name"] == "tiny-calc"
     assert info["context_length"] == 4096
     assert info["internal_states"][0]["in_flight"] == 0
@@ -379,6 +435,15 @@ async def test_update_weights_from_disk_changes_the_output_and_the_weight_versio
     assert (await get(client, "/get_model_info"))[1]["weight_version"] == "7"
 
 
+async def test_a_weight_version_name_is_reported_as_given_like_sglang(client, prompt):
+    body = {"model_path": str(EMBEDDED_MODEL), "weight_version": "step_7"}
+    assert (await post(client, "/update_weights_from_disk", body))[0] == 200
+    _, answer = await post(client, "/generate", generate_body(prompt, 2))
+    assert answer["meta_info"]["weight_version"] == "step_7"
+    assert answer["meta_info"]["weight_versions"] == [{"version": "step_7", "start": 0, "end": 2}]
+    assert (await get(client, "/get_model_info"))[1]["weight_version"] == "step_7"
+
+
 async def test_a_weight_update_from_a_bad_path_fails_with_400_and_the_server_keeps_serving(client, prompt, tmp_path):
     status, answer = await post(
         client, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing"), "weight_version": "7"}
@@ -420,14 +485,13 @@ async def test_a_weight_update_waits_for_requests_in_flight_so_each_response_has
 
 
 async def test_v1_models_lists_the_served_model(client):
-    recorded = json.loads((FIXTURES / "models.json").read_text())
     status, models = await get(client, "/v1/models")
     assert status == 200
     assert models["object"] == "list"
     [model] = models["data"]
     assert model["id"] == "tiny-calc"
     assert model["object"] == "model"
-    assert set(model) <= set(recorded["data"][0])
+    assert list(model) == list(recorded("models")["data"][0])
 
 
 async def test_v1_completions_continues_a_text_prompt(client, model_tokenizer):
@@ -444,10 +508,28 @@ async def test_v1_completions_continues_a_text_prompt(client, model_tokenizer):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+async def test_v1_completions_stream_sends_a_chunk_per_token_the_last_with_the_finish_reason(client):
+    body = {"prompt": "1+2=", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with client.post("/v1/completions", json=body) as response:
+        events = sse_events(await response.text())
+    assert events[-1] == "[DONE]"
+    choices = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert [choice["finish_reason"] for choice in choices] == [None, None, None, "length"]
+    _, whole = await post(client, "/v1/completions", {**body, "stream": False})
+    assert "".join(choice["text"] for choice in choices) == whole["choices"][0]["text"]
+
+
+async def test_v1_requests_must_be_json_like_sglang(client):
+    body = json.dumps({"prompt": "1+2=", "max_tokens": 2})
+    async with client.post("/v1/completions", data=body, headers={"Content-Type": "text/plain"}) as response:
+        assert response.status == 400
+        assert "Content-Type" in (await response.json())["message"]
+
+
 async def test_v1_completions_with_a_seed_that_is_not_a_number_is_a_400(client):
     status, answer = await post(client, "/v1/completions", {"prompt": "1+2=", "max_tokens": 4, "seed": "abc"})
     assert status == 400
-    assert "seed" in answer["message"]
+    assert "seed" in error_message(answer)
 
 
 async def test_v1_chat_completions_answers_an_assistant_message(client):
@@ -458,7 +540,7 @@ async def test_v1_chat_completions_answers_an_assistant_message(client):
     [choice] = completion["choices"]
     assert choice["message"]["role"] == "assistant"
     assert isinstance(choice["message"]["content"], str)
-    assert choice["message"]["tool_calls"] is None
+    assert "tool_calls" not in choice["message"]  # as SGLang 0.5.23 leaves it out
     assert choice["finish_reason"] in ("stop", "length")
     assert 1 <= completion["usage"]["completion_tokens"] <= 8
 
@@ -472,7 +554,7 @@ async def test_v1_chat_completions_returns_a_tool_call_as_tool_calls(model_token
     [choice] = completion["choices"]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
-    assert message["content"] is None
+    assert message["content"] == ""  # the text around the calls, as SGLang has it
     [call] = message["tool_calls"]
     assert call["type"] == "function"
     assert call["id"].startswith("call_")
@@ -523,15 +605,18 @@ async def test_v1_chat_completions_stream_sends_chunks_and_ends_with_done(model_
     assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert deltas[0]["role"] == "assistant"
-    [calls] = [delta["tool_calls"] for delta in deltas if "tool_calls" in delta]
-    assert calls[0]["function"]["name"] == "calculator"
+    first, *rest = [call for delta in deltas for call in delta.get("tool_calls") or []]  # as SGLang streams them:
+    assert first["function"] == {"name": "calculator", "arguments": ""}  # the name, then the arguments
+    assert json.loads("".join(call["function"]["arguments"] for call in rest)) == {"expression": "2+3"}
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks][-1] == "tool_calls"
 
 
 async def test_v1_chat_completions_reports_the_weight_version_in_metadata_as_sglang_does(client):
     messages = [{"role": "user", "content": "What is 2+3?"}]
     _, completion = await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
-    assert completion["metadata"] == {"weight_version": "default"}
+    tokens = completion["usage"]["completion_tokens"]
+    spans = [{"version": "default", "start": 0, "end": tokens}]
+    assert completion["metadata"] == {"weight_version": "default", "weight_versions": spans}
 
 
 # ----- API key --------------------------------------------------------------------------------------------
@@ -544,7 +629,7 @@ async def test_with_an_api_key_requests_without_it_are_401_and_with_it_are_serve
     ):
         status, answer = await post(client, "/generate", generate_body(prompt, 2))
         assert status == 401
-        assert "API key" in answer["error"]["message"]
+        assert "API key" in error_message(answer)
         async with client.get("/v1/models") as response:
             assert response.status == 401
             assert (await response.json())["type"] == "AuthenticationError"
@@ -564,28 +649,28 @@ async def test_with_an_api_key_health_is_open_as_in_sglang(model_tokenizer):
 
 
 async def test_generate_response_has_the_shape_of_sglangs(client, prompt):
-    recorded = json.loads((FIXTURES / "generate_logprob.json").read_text())
+    sglangs = recorded("generate_logprob")
     _, ours = await post(client, "/generate", generate_body(prompt, 8, return_logprob=True))
-    assert list(ours) == list(recorded)
-    assert set(ours["meta_info"]) <= set(recorded["meta_info"])
-    for key in ("finish_reason", "input_token_logprobs", "output_token_logprobs", "weight_version", "output_ids"):
-        theirs = recorded["meta_info"].get(key, recorded.get(key))
+    assert list(ours) == list(sglangs)
+    assert list(ours["meta_info"]) == list(sglangs["meta_info"])
+    for key in ("finish_reason", "output_token_logprobs", "weight_version", "weight_versions", "output_ids"):
+        theirs = sglangs["meta_info"].get(key, sglangs.get(key))
         assert shape(ours["meta_info"].get(key, ours.get(key))) == shape(theirs), key
 
 
 async def test_chat_tool_call_response_has_the_shape_of_sglangs(model_tokenizer):
-    recorded = json.loads((FIXTURES / "chat_completion_tool_calls.json").read_text())
+    sglangs = recorded("chat_completion_tool_calls")
     engine = scripted(model_tokenizer, lambda turn, prompt, rid: "Let me compute.\n" + TOOL_CALL)
     body = {"messages": [{"role": "user", "content": "What is 2+3?"}], "tools": [CALCULATOR]}
     async with served(engine, model_tokenizer) as client:
         _, ours = await post(client, "/v1/chat/completions", body)
-    assert set(ours) <= set(recorded)
-    choice, their_choice = ours["choices"][0], recorded["choices"][0]
+    assert list(ours) == list(sglangs)
+    choice, their_choice = ours["choices"][0], sglangs["choices"][0]
     assert list(choice) == list(their_choice)
     assert shape(choice["message"]) == shape(their_choice["message"])
     assert shape(choice["message"]["tool_calls"][0]) == shape(their_choice["message"]["tool_calls"][0])
     assert choice["finish_reason"] == their_choice["finish_reason"] == "tool_calls"
-    assert {"prompt_tokens", "completion_tokens", "total_tokens"} <= set(ours["usage"]) <= set(recorded["usage"])
+    assert list(ours["usage"]) == list(sglangs["usage"])
 
 
 # ----- serve() ----------------------------------------------------------------------------------------------

@@ -167,19 +167,35 @@ async def test_generate_sends_stop_token_ids_and_no_top_k_cut_as_minus_one():
     assert "sampling_seed" not in params
 
 
+def recorded(name: str) -> Any:
+    """The body of a response recorded from a real SGLang (``tests/fixtures/record_sglang.py``)."""
+    return json.loads((FIXTURES / f"{name}.json").read_text())["body"]
+
+
 async def test_recorded_sglang_response_parses_into_a_generation_with_the_clients_version():
-    recorded = json.loads((FIXTURES / "generate_logprob.json").read_text())
-    fake = FakeSGLang(lambda body, n: recorded)
+    sglangs = recorded("generate_logprob")
+    fake = FakeSGLang(lambda body, n: sglangs)
     async with fake.running() as url, SGLangHTTPEngine(url, FAST) as engine:
         engine.weight_version = 4  # the fixture says "default": the client's own version stands
-        generation = await engine.generate([785, 6722, 315, 9625, 374], sampling(8), "r")
-    assert generation.output_ids == [12095, 13, 1084, 374, 279, 7772, 3283, 304]
-    assert generation.output_logprobs == [-0.2263, -0.5517, -0.6932, -0.1036, -0.812, -1.4301, -0.0094, -0.2411]
+        generation = await engine.generate(PROMPT, sampling(8), "r")
+    triples = sglangs["meta_info"]["output_token_logprobs"]
+    assert generation.output_ids == sglangs["output_ids"] == [token for _, token, _ in triples]
+    assert generation.output_logprobs == [logprob for logprob, _, _ in triples]
     assert generation.finish_reason == "length"
     assert generation.weight_version == 4
     assert generation.output_weight_versions == [4] * 8
-    assert generation.meta["id"] == "be6daa5d895e403eb6334fb3a116b933"
+    assert generation.meta["id"] == sglangs["meta_info"]["id"]
     assert "output_token_logprobs" not in generation.meta
+
+
+async def test_a_recorded_generation_that_stops_at_the_eos_keeps_it_in_the_output():
+    sglangs = recorded("generate_stop_eos")
+    fake = FakeSGLang(lambda body, n: sglangs)
+    async with fake.running() as url, SGLangHTTPEngine(url, FAST) as engine:
+        generation = await engine.generate(PROMPT, sampling(200), "r")
+    assert sglangs["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert generation.finish_reason == "stop"
+    assert generation.output_ids[-1] == 2
 
 
 async def test_a_numbered_weight_version_in_the_response_is_read_and_raises_the_clients_version():

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
+from rollout.engines.base import EngineError, Generation, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")
 
@@ -214,37 +214,6 @@ def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generati
         weight_version=version,
         meta={k: v for k, v in meta.items() if k not in ("output_token_logprobs", "input_token_logprobs")},
     )
-
-
-def generate_response(
-    input_ids: list[int],
-    generation: Generation | PartialGeneration,
-    rid: str,
-    text: str,
-    weight_version: str,
-    logprob: bool,
-    latency: float,
-) -> dict[str, Any]:
-    """One ``/generate`` result object as SGLang's server builds it (what ``parse_generation`` reads);
-    a ``PartialGeneration`` (a streamed chunk) has no finish reason yet."""
-    finished = isinstance(generation, Generation)
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish_reason_payload(generation) if finished else None,
-        "prompt_tokens": len(input_ids),
-        "weight_version": weight_version,
-        "total_retractions": 0,
-    }
-    if logprob:  # SGLang's default logprob_start_len=-1: only the last prompt token, without a logprob
-        meta["input_token_logprobs"] = [[None, input_ids[-1], None]]
-        meta["output_token_logprobs"] = [
-            [lp, token, None] for lp, token in zip(generation.output_logprobs, generation.output_ids, strict=True)
-        ]
-    meta["completion_tokens"] = len(generation.output_ids)
-    meta["cached_tokens"] = 0
-    if finished:
-        meta["e2e_latency"] = latency
-    return {"text": text, "output_ids": list(generation.output_ids), "meta_info": meta}
 
 
 def finish_reason_payload(generation: Generation, message: str = "") -> dict[str, Any]:

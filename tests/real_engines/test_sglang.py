@@ -27,6 +27,7 @@ from tests.conftest import run_cli
 from tests.real_engines.conftest import require_engine
 from tests.test_serve_processes import (
     assert_all_accounted,
+    assert_resumed_across_the_update,
     calc_runner,
     get_json,
     read_jsonl,
@@ -163,13 +164,7 @@ async def test_weight_update_mid_rollout_resumes_each_generation_on_the_new_weig
             server_version = await engine.get_weight_version()
     assert_all_accounted(result, tmp_path / "out.jsonl", 32)
     assert server_version == 1
-    assert not [r.error for r in result.requests if r.finish_reason.value in ("error", "abort")]
-    spanning = [r for r in result.requests if {0, 1} <= set(r.weight_versions)]
-    assert spanning, "no trajectory was under way during the update"
-    for request in spanning:  # old tokens first, then new ones, and every token has its logprob
-        versions = [v for v in request.weight_versions if v is not None]
-        assert versions == sorted(versions)
-        assert len(request.response_ids) == len(request.logprobs) == len(request.weight_versions)
+    assert_resumed_across_the_update(result)
 
 
 def served_requests(url: str) -> float:
