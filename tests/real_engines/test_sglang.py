@@ -220,7 +220,7 @@ def run_in_sglang_venv(*args: str, cwd: Path, timeout: int = 900) -> subprocess.
     """``rallyrl ARGS`` run by SGLang's virtualenv (where ``sglang.Engine`` imports), on the CPU."""
     python = require_engine("sglang")
     venv = python.parent.parent
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE",
            "LD_LIBRARY_PATH": str(venv / "cuda-stub"),
            "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE": f"file://{cwd}/dist-init-{time.monotonic_ns()}"}  # fmt: skip
     return subprocess.run([str(venv / "bin" / "rallyrl"), *args], capture_output=True, text=True, timeout=timeout,
