@@ -1,0 +1,443 @@
+"""The same calc rollout through every engine on this machine, and rallyrl's share of what a raw
+client gets out of each server.
+
+    python -m benchmarks.engines [--quick] [--engines embedded,serve,sglang,vllm] [--repeats N] [--json FILE]
+
+Workload: calc prompts (``make_task("calc", prompts, seed)``) x ``samples_per_prompt``, rallyrl's
+full multi-turn rollout (calculator tool, up to 3 turns, temperature 1) with 64 requests in
+flight. Up to 96 new tokens per turn, not 64: the embedded model's tokenizer is character-level
+and a calculator call with its ``<|im_end|>`` takes 66-80 tokens, so at 64 every call is cut
+off and no rollout reaches a second turn (``--max-new-tokens 64`` runs that single-turn case).
+Per-turn sampling seeds are off (SGLang honours them only in its deterministic mode); the
+prompts and the embedded engine's sampler are seeded.
+
+Rows:
+
+- ``embedded``: the embedded engine in this process (no server, so no raw row).
+- ``serve``: ``rallyrl serve`` in a subprocess, with ``--threads`` = this machine's cores.
+- ``sglang``, ``vllm``: the real engines from their virtualenvs (``rollout/engine_servers.py``);
+  a missing virtualenv skips its row with the command that installs it.
+
+On each server: an untimed warm-up (a rallyrl run of one full set of 64 requests and a raw replay
+of it: the server's first batches of new shapes are slow), then ``--repeats`` pairs of one rallyrl
+run and one raw run. The raw client (``benchmarks/engine_clients.py``) replays the generation calls of
+rallyrl's latest run: every turn's input token ids (``prompt_ids + response_ids`` before the turn)
+with ``max_new_tokens`` = the tokens rallyrl got in that turn and EOS ignored, each trajectory's
+calls one after another with nothing in between, 64 trajectories in flight. So both clients ask
+for the same prefill and decode; the raw one has no tools, chat template, parser or checks. A
+turn's input holds rallyrl's own earlier output, which the raw client did not generate, so its
+later turns find up to one turn's output fewer tokens in the prefix cache: if anything, the raw
+client is at a slight disadvantage. The order alternates (rallyrl first in even pairs, raw first
+in odd ones) and the server's prefix cache is flushed before every run. The rallyrl run writes
+its JSONL like any rollout; its wall time is ``RolloutRunner.run`` from first request to last line.
+
+Reported per row: output tokens/s (median and range over repeats), the CPU seconds of this
+(client) process, each server's start-up time, and rallyrl/raw per pair. Where rallyrl is under
+``--target`` (0.95) of raw on a server, or with ``--profile``, a breakdown follows: by Little's
+law tokens/s = calls in flight x tokens per call-second, so the ratio splits into how many calls
+rallyrl kept at the server (what its requests did between calls: tools, parsing, rendering) and
+how fast the server served each call (the client's CPU competes with the server's for this
+machine's cores; prefix-cache reuse). ``--cprofile`` adds the client's hottest functions during
+the rallyrl runs (cProfile slows the client: take the headline figures without it).
+
+The machine's load average is printed at the start and the end, with the busiest processes at
+the start: on a shared 2-core machine other work changes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.engine_clients import (
+    Call,
+    CallProfile,
+    CpuMeter,
+    CpuUse,
+    Protocol,
+    RawClient,
+    TimedEngine,
+    replay_calls,
+)
+from data.synthetic import make_task
+from data.tiny_model import EMBEDDED_MODEL
+from rollout.api import open_engine
+from rollout.config import RolloutConfig
+from rollout.engine_servers import EngineNotInstalled, engine_server
+from rollout.engines.config import EngineConfig
+from rollout.runner import RolloutRunner
+from rollout.serve_process import serve_processes
+from rollout.tokens import ChatTokenizer, load_tokenizer
+from tools.registry import DEFAULT_TOOLS, build_tools
+
+ENGINES = ("embedded", "serve", "sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each run rolls out."""
+
+    prompts: int = 128
+    samples_per_prompt: int = 2
+    concurrency: int = 64
+    max_new_tokens: int = 96
+    max_turns: int = 3
+    seed: int = 0
+    warmup_prompts: int | None = None
+    """Prompts of the untimed warm-up run (None: one full set of ``concurrency`` requests in flight)."""
+
+    def rollout_config(self) -> RolloutConfig:
+        return RolloutConfig(max_turns=self.max_turns, max_new_tokens=self.max_new_tokens, temperature=1.0,
+                             max_concurrency=self.concurrency)  # fmt: skip
+
+
+QUICK = Workload(prompts=32)
+
+
+@dataclass
+class Run:
+    """One timed run of one client."""
+
+    client: str  # "rallyrl" | "raw"
+    repeat: int
+    wall_s: float
+    output_tokens: int
+    calls: int
+    cpu: CpuUse
+    profile: CallProfile
+    errors: int = 0
+    replays: int | None = None
+    """For a raw run: the repeat whose rallyrl calls it replayed."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Row:
+    """One engine's runs, or why it was skipped."""
+
+    engine: str
+    startup_s: float | None = None
+    runs: list[Run] = field(default_factory=list)
+    skipped: str | None = None
+    cprofile: str | None = None
+    console: Console | None = field(default=None, repr=False)
+    """Where each run is noted as it ends (None: nowhere)."""
+
+    def add(self, run: Run) -> None:
+        self.runs.append(run)
+        if self.console is not None:
+            p, cpu = run.profile, run.cpu
+            self.console.print(
+                f"  {self.engine} {run.client:7} repeat {run.repeat}: {run.wall_s:6.1f} s, {run.tokens_per_s:7,.0f} "
+                f"tokens/s, {p.in_flight:4.1f} calls in flight, latency {p.latency_s:5.2f} s; CPU s: client "
+                f"{cpu.client_s:.1f}, server {seconds(cpu.server_s)}, others {seconds(cpu.others_s)}"
+                + (f"; {run.errors} errors" if run.errors else ""),
+                highlight=False,
+            )
+
+    def of(self, client: str) -> list[Run]:
+        return [run for run in self.runs if run.client == client]
+
+    def ratios(self) -> list[float]:
+        """rallyrl/raw tokens/s of each repeat's pair."""
+        raw = {run.repeat: run for run in self.of("raw")}
+        return [run.tokens_per_s / raw[run.repeat].tokens_per_s for run in self.of("rallyrl") if run.repeat in raw]
+
+    def to_dict(self) -> dict[str, Any]:
+        runs = [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in self.runs]
+        return {"engine": self.engine, "startup_s": self.startup_s, "skipped": self.skipped, "runs": runs,
+                "ratios": self.ratios()}  # fmt: skip
+
+
+class Rollouts:
+    """rallyrl's side of a row: the runner's parts, built once, and timed runs on one engine."""
+
+    def __init__(self, work: Workload, out_dir: Path):
+        self.work, self.out_dir = work, out_dir
+        self.tools = build_tools(DEFAULT_TOOLS)
+        self.chat = ChatTokenizer(load_tokenizer(EMBEDDED_MODEL), [tool.schema for tool in self.tools.values()])
+        self.records = make_task("calc", work.prompts, seed=work.seed)
+        warmup = work.warmup_prompts or -(-work.concurrency // work.samples_per_prompt)
+        self.warmup_records = make_task("calc", warmup, seed=work.seed + 1)
+        self.chains: list[list[Call]] = []  # the calls of the latest run, to replay
+        self.profiler: cProfile.Profile | None = None
+        self.meter = CpuMeter()
+
+    async def run(self, engine: Any, repeat: int, warmup: bool = False) -> Run:
+        timed = TimedEngine(engine)
+        runner = RolloutRunner(timed, self.chat, self.tools, self.work.rollout_config(),
+                               max_concurrency=self.work.concurrency, progress=False)  # fmt: skip
+        records = self.warmup_records if warmup else self.records
+        if self.profiler is not None and not warmup:
+            self.profiler.enable()
+        cpu, start = self.meter.read(), time.perf_counter()
+        result = await runner.run(records, self.work.samples_per_prompt, self.out_dir / "rollout.jsonl")
+        wall, cpu = time.perf_counter() - start, self.meter.since(cpu)
+        if self.profiler is not None:
+            self.profiler.disable()
+        self.chains = [replay_calls(r.prompt_ids, r.response_ids, r.loss_mask) for r in result.requests]
+        errors = sum(r.finish_reason.value == "error" for r in result.requests)
+        tokens = sum(r.metrics.generated_tokens for r in result.requests)
+        return Run("rallyrl", repeat, wall, tokens, len(timed.calls), cpu, CallProfile.of(timed.calls, wall), errors)
+
+
+async def raw_run(raw: RawClient, rollouts: Rollouts, repeat: int, replays: int) -> Run:
+    cpu, start = rollouts.meter.read(), time.perf_counter()
+    calls = await raw.replay(rollouts.chains, rollouts.work.concurrency)
+    wall, cpu = time.perf_counter() - start, rollouts.meter.since(cpu)
+    tokens = sum(call.output_tokens for call in calls)
+    return Run("raw", repeat, wall, tokens, len(calls), cpu, CallProfile.of(calls, wall), replays=replays)
+
+
+async def bench_server(row: Row, url: str, protocol: Protocol, work: Workload, repeats: int, out_dir: Path,
+                       profile: bool = False, server_pgid: int | None = None) -> Row:  # fmt: skip
+    """Warm up, then ``repeats`` pairs of a rallyrl run and a raw replay of it on the server at ``url``
+    (whose processes are the group ``server_pgid``, when known)."""
+    rollouts = Rollouts(work, out_dir)
+    rollouts.meter = CpuMeter(server_pgid)
+    async with open_engine(EngineConfig(urls=[url], server=protocol), EMBEDDED_MODEL) as engine, \
+            RawClient(url, protocol) as raw:  # fmt: skip
+        await rollouts.run(engine, -1, warmup=True)  # new batch shapes, connections: paid here, untimed
+        await raw_run(raw, rollouts, -1, -1)
+        rollouts.profiler = cProfile.Profile() if profile else None
+        latest = -1
+        for repeat in range(repeats):
+            for client in ("rallyrl", "raw") if repeat % 2 == 0 else ("raw", "rallyrl"):
+                await raw.flush_cache()
+                if client == "rallyrl":
+                    row.add(await rollouts.run(engine, repeat))
+                    latest = repeat
+                else:
+                    row.add(await raw_run(raw, rollouts, repeat, latest))
+    row.cprofile = hottest(rollouts.profiler) if rollouts.profiler is not None else None
+    return row
+
+
+async def bench_embedded(row: Row, work: Workload, repeats: int, out_dir: Path, profile: bool = False) -> Row:
+    rollouts = Rollouts(work, out_dir)
+    config = work.rollout_config()
+    start = time.perf_counter()
+    engine_config = EngineConfig()
+    async with open_engine(engine_config, EMBEDDED_MODEL, max_model_len=config.max_model_len, seed=work.seed) as engine:
+        row.startup_s = time.perf_counter() - start
+        await rollouts.run(engine, -1, warmup=True)
+        rollouts.profiler = cProfile.Profile() if profile else None
+        for repeat in range(repeats):
+            await engine.flush_cache()
+            row.add(await rollouts.run(engine, repeat))
+    row.cprofile = hottest(rollouts.profiler) if rollouts.profiler is not None else None
+    return row
+
+
+def bench_row(engine: str, work: Workload, repeats: int, log_dir: Path, cprofile: bool = False,
+              console: Console | None = None) -> Row:  # fmt: skip
+    """One engine's row; a server that is not installed or does not start skips it, saying why."""
+    row = Row(engine, console=console)
+    if engine == "embedded":
+        return asyncio.run(bench_embedded(row, work, repeats, log_dir, cprofile))
+    with contextlib.ExitStack() as stack:
+        start = time.perf_counter()
+        try:
+            if engine == "serve":
+                threads = str(os.cpu_count() or 1)
+                (server,) = stack.enter_context(serve_processes(EMBEDDED_MODEL, log_dir, 1, "--threads", threads))
+            else:
+                server = stack.enter_context(engine_server(engine, EMBEDDED_MODEL, log_dir))  # type: ignore[arg-type]
+        except EngineNotInstalled as exc:
+            row.skipped = str(exc)
+            return row
+        except RuntimeError as exc:  # it exited or never became healthy: the message holds its log's end
+            row.skipped = f"{engine} did not start: {str(exc)[-1500:]}"
+            return row
+        row.startup_s = time.perf_counter() - start
+        protocol: Protocol = "vllm" if engine == "vllm" else "sglang"
+        pgid = server.process.pid  # started in a session of its own
+        return asyncio.run(bench_server(row, server.url, protocol, work, repeats, log_dir, cprofile, pgid))
+    raise AssertionError("unreachable")
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def cores(run: Run, value: float | None) -> float:
+    """CPU seconds of a run as cores busy on average (0 where unknown)."""
+    return (value or 0.0) / run.wall_s if run.wall_s > 0 else 0.0
+
+
+def hottest(profiler: cProfile.Profile, count: int = 15) -> str:
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(count)
+    return out.getvalue()
+
+
+# ----- report ------------------------------------------------------------------------------------
+
+
+def spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    median = format(statistics.median(values), fmt)
+    return median if len(values) == 1 else f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def results_table(rows: list[Row]) -> Table:
+    table = Table(title="calc rollout, same workload on each engine (median, range over repeats)")
+    for column in ("engine", "client", "start-up s", "runs", "calls", "output tokens", "wall s", "tokens/s",
+                   "client CPU s", "others' cores", "rallyrl / raw"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("engine", "client") else "right")
+    for row in rows:
+        if row.skipped:
+            table.add_row(row.engine, "skipped", *["-"] * 9)
+            continue
+        for client in ("rallyrl", "raw"):
+            runs = row.of(client)
+            if not runs:
+                continue
+            ratio = spread(row.ratios(), ".3f") if client == "rallyrl" and row.of("raw") else ""
+            startup = f"{row.startup_s:.1f}" if client == "rallyrl" and row.startup_s is not None else ""
+            table.add_row(
+                row.engine if client == "rallyrl" else "", client, startup, str(len(runs)),
+                str(runs[0].calls), f"{runs[0].output_tokens:,}", spread([r.wall_s for r in runs], ".1f"),
+                spread([r.tokens_per_s for r in runs], ",.0f"), spread([r.cpu.client_s for r in runs], ".1f"),
+                spread([cores(r, r.cpu.others_s) for r in runs], ".2f"), ratio,
+            )  # fmt: skip
+    return table
+
+
+def breakdown(row: Row, concurrency: int) -> tuple[Table, str]:
+    """Where rallyrl's tokens/s went against raw's on one server, medians over repeats."""
+
+    def med(client: str, value: Any) -> float:
+        return statistics.median(value(run) for run in row.of(client))
+
+    table = Table(title=f"{row.engine}: rallyrl vs raw, where the time goes (medians)")
+    for column in ("measure", "rallyrl", "raw", "rallyrl / raw"):
+        table.add_column(column, justify="left" if column == "measure" else "right")
+    measures = [
+        ("output tokens/s", lambda r: r.tokens_per_s, ",.0f"),
+        (f"calls in flight (of {concurrency})", lambda r: r.profile.in_flight, ".1f"),
+        ("tokens per call-second", lambda r: r.profile.tokens_per_call_s, ".1f"),
+        ("call latency ms", lambda r: 1000 * r.profile.latency_s, ".0f"),
+        ("gap between a request's calls ms", lambda r: 1000 * r.profile.gap_s, ".1f"),
+        ("client CPU s", lambda r: r.cpu.client_s, ".1f"),
+        ("client CPU, cores", lambda r: cores(r, r.cpu.client_s), ".2f"),
+        ("server CPU, cores", lambda r: cores(r, r.cpu.server_s), ".2f"),
+        ("other processes' CPU, cores", lambda r: cores(r, r.cpu.others_s), ".2f"),
+    ]
+    if all(run.profile.cached_share is not None for run in row.runs):
+        measures.append(("prompt tokens cached %", lambda r: 100 * r.profile.cached_share, ".0f"))
+    if all(run.profile.outside_server_s is not None for run in row.runs):
+        measures.append(("call latency outside the server ms", lambda r: 1000 * r.profile.outside_server_s, ".1f"))
+    for name, value, fmt in measures:
+        ours, theirs = med("rallyrl", value), med("raw", value)
+        quotient = f"{ours / theirs:.3f}" if theirs else "-"
+        table.add_row(name, format(ours, fmt), format(theirs, fmt), quotient)
+    in_flight = med("rallyrl", lambda r: r.profile.in_flight) / med("raw", lambda r: r.profile.in_flight)
+    speed = med("rallyrl", lambda r: r.profile.tokens_per_call_s) / med("raw", lambda r: r.profile.tokens_per_call_s)
+    client = med("rallyrl", lambda r: cores(r, r.cpu.client_s)) - med("raw", lambda r: cores(r, r.cpu.client_s))
+    others = [med(name, lambda r: cores(r, r.cpu.others_s)) for name in ("rallyrl", "raw")]
+    text = (
+        f"{row.engine}: rallyrl/raw {statistics.median(row.ratios()):.3f} ~ {in_flight:.3f} (calls kept at the server: "
+        f"the rest of the time its requests were between calls: tools, parsing, rendering, scoring) x {speed:.3f} "
+        f"(the server's speed per call: rallyrl's client used {client:+.2f} cores more than raw's, and other "
+        f"processes {others[0]:.2f} cores during rallyrl's runs, {others[1]:.2f} during raw's, on a machine of "
+        f"{os.cpu_count()} shared with the server)."
+    )
+    return table, text
+
+
+def machine_state() -> dict[str, Any]:
+    """Load average and the busiest processes, to read the figures against."""
+    busiest = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        busiest = subprocess.run(["ps", "-eo", "pcpu,pid,etime,args", "--sort=-pcpu", "--cols", "110"],
+                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    return {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "busiest": busiest.splitlines()[:8]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK.prompts} prompts instead of {Workload.prompts}")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of " + ", ".join(ENGINES))
+    parser.add_argument("--repeats", type=int, default=3, help="rallyrl/raw pairs per server (order alternates)")
+    parser.add_argument("--prompts", type=int, help="calc prompts per run (x samples-per-prompt trajectories)")
+    parser.add_argument("--samples-per-prompt", type=int, default=Workload.samples_per_prompt)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=Workload.max_new_tokens,
+        help="per turn; under ~80 no calculator call fits, and no rollout gets past its first turn",
+    )
+    parser.add_argument("--target", type=float, default=0.95, help="rallyrl/raw under this prints the breakdown")
+    parser.add_argument("--profile", action="store_true", help="print the breakdown on every server")
+    parser.add_argument("--cprofile", action="store_true", help="also the client's hottest functions (slows it)")
+    parser.add_argument("--log-dir", type=Path, help="servers' logs and rollout JSONL (default: a temp directory)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    engines = [name.strip() for name in args.engines.split(",") if name.strip()]
+    if unknown := [name for name in engines if name not in ENGINES]:
+        parser.error(f"--engines: unknown {', '.join(unknown)} (known: {', '.join(ENGINES)})")
+    base = QUICK if args.quick else Workload()
+    work = Workload(prompts=args.prompts or base.prompts, samples_per_prompt=args.samples_per_prompt,
+                    max_new_tokens=args.max_new_tokens)  # fmt: skip
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rallyrl-bench-engines-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    console = Console(width=150)
+    before = machine_state()
+    console.print(
+        f"{work.prompts} calc prompts x {work.samples_per_prompt} samples, {work.concurrency} in flight, "
+        f"{work.max_new_tokens} new tokens per turn, up to {work.max_turns} turns; {args.repeats} repeat(s); "
+        f"logs in {log_dir}\nload average at start {before['loadavg']} on {before['cpus']} cores; busiest:",
+        highlight=False,
+    )
+    console.print("\n".join("  " + line for line in before["busiest"]), highlight=False, markup=False)
+    rows = []
+    for engine in engines:
+        console.print(f"[bold]{engine}[/] ...")
+        row = bench_row(engine, work, args.repeats, log_dir, args.cprofile, console)
+        if row.skipped:
+            console.print(f"[yellow]{engine} skipped:[/] {row.skipped}", highlight=False)
+        elif any(run.errors for run in row.runs):
+            console.print(f"[red]{engine}: {sum(r.errors for r in row.runs)} trajectories ended in error[/]")
+        rows.append(row)
+    after = machine_state()
+    console.print(results_table(rows))
+    for row in rows:
+        if row.of("raw") and (args.profile or min(row.ratios()) < args.target):
+            table, text = breakdown(row, work.concurrency)
+            console.print(table)
+            console.print(text, highlight=False)
+        if row.cprofile:
+            console.print(f"[bold]{row.engine}: client's hottest functions during the rallyrl runs[/]")
+            console.print(row.cprofile, highlight=False, markup=False)
+    console.print(f"load average at end {after['loadavg']}", highlight=False)
+    if args.json:
+        report = {"workload": asdict(work), "repeats": args.repeats, "machine_start": before, "machine_end": after,
+                  "rows": [row.to_dict() for row in rows]}  # fmt: skip
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
