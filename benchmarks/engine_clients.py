@@ -209,8 +209,8 @@ class CallProfile:
 class RawClient:
     """Plain HTTP generation by token ids against one server, one ``ClientSession`` for its life
     (``async with``), as rallyrl's client keeps one: no rollout logic, no checks beyond counting
-    the tokens that came back, and one retry only where a pooled connection turns out closed
-    (the server's keep-alive ended while it sat idle)."""
+    the tokens that came back, and retries (two at most) only where a pooled connection turns out
+    closed (the server's keep-alive ended while it sat idle)."""
 
     def __init__(self, url: str, protocol: Protocol):
         self.url, self.protocol = url.rstrip("/"), protocol

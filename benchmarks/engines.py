@@ -32,7 +32,9 @@ in odd ones) and the server's prefix cache is flushed before every run. The rall
 its JSONL like any rollout; its wall time is ``RolloutRunner.run`` from first request to last line.
 
 Reported per row: output tokens/s (median and range over repeats), the CPU seconds of this
-(client) process, each server's start-up time, and rallyrl/raw per pair. Where rallyrl is under
+(client) process, the cores other processes kept busy meanwhile (``/proc``: the machine's busy
+time less the client's and the server's process group's), each server's start-up time, and
+rallyrl/raw per pair; each run is also printed as it ends. Where rallyrl is under
 ``--target`` (0.95) of raw on a server, or with ``--profile``, a breakdown follows: by Little's
 law tokens/s = calls in flight x tokens per call-second, so the ratio splits into how many calls
 rallyrl kept at the server (what its requests did between calls: tools, parsing, rendering) and
@@ -171,8 +173,8 @@ class Row:
 class Rollouts:
     """rallyrl's side of a row: the runner's parts, built once, and timed runs on one engine."""
 
-    def __init__(self, work: Workload, out_dir: Path):
-        self.work, self.out_dir = work, out_dir
+    def __init__(self, work: Workload, out_dir: Path, meter: CpuMeter | None = None):
+        self.work, self.out_dir, self.meter = work, out_dir, meter or CpuMeter()
         self.tools = build_tools(DEFAULT_TOOLS)
         self.chat = ChatTokenizer(load_tokenizer(EMBEDDED_MODEL), [tool.schema for tool in self.tools.values()])
         self.records = make_task("calc", work.prompts, seed=work.seed)
@@ -180,7 +182,6 @@ class Rollouts:
         self.warmup_records = make_task("calc", warmup, seed=work.seed + 1)
         self.chains: list[list[Call]] = []  # the calls of the latest run, to replay
         self.profiler: cProfile.Profile | None = None
-        self.meter = CpuMeter()
 
     async def run(self, engine: Any, repeat: int, warmup: bool = False) -> Run:
         timed = TimedEngine(engine)
@@ -212,8 +213,7 @@ async def bench_server(row: Row, url: str, protocol: Protocol, work: Workload, r
                        profile: bool = False, server_pgid: int | None = None) -> Row:  # fmt: skip
     """Warm up, then ``repeats`` pairs of a rallyrl run and a raw replay of it on the server at ``url``
     (whose processes are the group ``server_pgid``, when known)."""
-    rollouts = Rollouts(work, out_dir)
-    rollouts.meter = CpuMeter(server_pgid)
+    rollouts = Rollouts(work, out_dir, CpuMeter(server_pgid))
     async with open_engine(EngineConfig(urls=[url], server=protocol), EMBEDDED_MODEL) as engine, \
             RawClient(url, protocol) as raw:  # fmt: skip
         await rollouts.run(engine, -1, warmup=True)  # new batch shapes, connections: paid here, untimed
@@ -234,10 +234,9 @@ async def bench_server(row: Row, url: str, protocol: Protocol, work: Workload, r
 
 async def bench_embedded(row: Row, work: Workload, repeats: int, out_dir: Path, profile: bool = False) -> Row:
     rollouts = Rollouts(work, out_dir)
-    config = work.rollout_config()
+    max_model_len = work.rollout_config().max_model_len
     start = time.perf_counter()
-    engine_config = EngineConfig()
-    async with open_engine(engine_config, EMBEDDED_MODEL, max_model_len=config.max_model_len, seed=work.seed) as engine:
+    async with open_engine(EngineConfig(), EMBEDDED_MODEL, max_model_len=max_model_len, seed=work.seed) as engine:
         row.startup_s = time.perf_counter() - start
         await rollouts.run(engine, -1, warmup=True)
         rollouts.profiler = cProfile.Profile() if profile else None
@@ -344,7 +343,7 @@ def breakdown(row: Row, concurrency: int) -> tuple[Table, str]:
         ("server CPU, cores", lambda r: cores(r, r.cpu.server_s), ".2f"),
         ("other processes' CPU, cores", lambda r: cores(r, r.cpu.others_s), ".2f"),
     ]
-    if all(run.profile.cached_share is not None for run in row.runs):
+    if all(run.profile.cached_share is not None for run in row.runs) and any(r.profile.cached_share for r in row.runs):
         measures.append(("prompt tokens cached %", lambda r: 100 * r.profile.cached_share, ".0f"))
     if all(run.profile.outside_server_s is not None for run in row.runs):
         measures.append(("call latency outside the server ms", lambda r: 1000 * r.profile.outside_server_s, ".1f"))
@@ -363,6 +362,10 @@ def breakdown(row: Row, concurrency: int) -> tuple[Table, str]:
         f"processes {others[0]:.2f} cores during rallyrl's runs, {others[1]:.2f} during raw's, on a machine of "
         f"{os.cpu_count()} shared with the server)."
     )
+    raw_rates = [run.tokens_per_s for run in row.of("raw")]
+    if len(raw_rates) > 1:
+        noise = (max(raw_rates) - min(raw_rates)) / statistics.median(raw_rates)
+        text += f" The raw client's own tokens/s spread over {noise:.0%} of its median across repeats: the noise floor."
     return table, text
 
 

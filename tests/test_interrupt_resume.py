@@ -35,7 +35,8 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 def test_ctrl_c_keeps_finished_trajectories_and_resume_runs_the_rest(tmp_path):
     out = tmp_path / "rollouts.jsonl"
-    command = [*rallyrl_command(), *ROLLOUT, "--out", str(out)]
+    # 8 in flight: trajectories finish a few at a time, so the interrupt surely lands mid-run
+    command = [*rallyrl_command(), *ROLLOUT, "--out", str(out), "--max-concurrency", "8"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: out.exists() and out.read_bytes().count(b"\n") >= 20, 120, "trajectories")
     process.send_signal(signal.SIGINT)
