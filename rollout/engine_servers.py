@@ -18,12 +18,11 @@ import contextlib
 import os
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from rollout.serve_process import ServeProcess, free_port
+from rollout.serve_process import ServeProcess, free_port, wait_healthy
 
 EngineKind = Literal["sglang", "vllm"]
 
@@ -116,18 +115,12 @@ def start_engine(kind: EngineKind, model_dir: Path, log_dir: Path, port: int | N
 
 
 def wait_ready(server: ServeProcess, timeout_s: float = 240.0) -> None:
-    """Return when the server answers ``/health`` with 200 (both engines have it); RuntimeError
-    with the end of its log when it exits first or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.url} exited with {server.process.returncode}:\n{server.output()[-6000:]}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"{server.url} did not become healthy in {timeout_s:g} s:\n{server.output()[-6000:]}")
+    """``wait_healthy`` (both engines answer ``/health``), the server stopped when it never does."""
+    try:
+        wait_healthy(server.url, server.process, server.log, timeout_s)
+    except RuntimeError:
+        server.stop()
+        raise
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engine_servers import EngineKind, EngineNotInstalled, engine_python, engine_server
@@ -56,3 +58,18 @@ def vllm_url(engine_logs) -> Iterator[str]:
     require_engine("vllm")
     with engine_server("vllm", EMBEDDED_MODEL, engine_logs) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> torch.nn.Module:
+    """The embedded model in fp32 under transformers: the reference the engines are held to."""
+    return AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int = 1,
+                       temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """log_softmax(logits / temperature) of ``ids[start:]`` under ``model`` (temperature 0: 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1]
+    logprobs = (logits / (temperature or 1.0)).log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(ids[start:])[:, None]).squeeze(1)

@@ -24,7 +24,7 @@ from rollout.engines.local import LocalEngine
 from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.loop import RolloutConfig
 from tests.conftest import run_cli
-from tests.real_engines.conftest import require_engine
+from tests.real_engines.conftest import reference_logprobs, require_engine
 from tests.test_serve_processes import (
     assert_all_accounted,
     assert_resumed_across_the_update,
@@ -39,19 +39,12 @@ SAMPLED = RolloutConfig(max_turns=3, max_new_tokens=96, max_model_len=1024, temp
 GREEDY = RolloutConfig(max_turns=3, max_new_tokens=96, max_model_len=1024, temperature=0.0)
 
 
-def forward_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """log p(ids[i] | ids[:i]) for every i >= 1 under ``model`` (fp32), as a 1-D tensor."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
 def max_logprob_gap(model, requests) -> float:
     """Largest |engine logprob - forward-pass logprob| over every generated token of ``requests``."""
     gap = 0.0
     for request in requests:
         ids = request.prompt_ids + request.response_ids
-        expected = forward_logprobs(model, ids)[len(request.prompt_ids) - 1 :]
+        expected = reference_logprobs(model, ids, len(request.prompt_ids))
         for i, (mask, logprob) in enumerate(zip(request.loss_mask, request.logprobs, strict=True)):
             if mask:
                 gap = max(gap, abs(logprob - float(expected[i])))
@@ -70,8 +63,8 @@ def test_cli_rollout_on_real_sglang_writes_valid_trajectories(sglang_url, tmp_pa
     assert run_cli("check", str(out)).returncode == 0
 
 
-async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglang_url, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, local_files_only=True, dtype=torch.float32).eval()
+async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglang_url, tmp_path, embedded_model):
+    model = embedded_model
     async with SGLangHTTPEngine(sglang_url) as engine:
         sampled = await calc_runner(engine, config=SAMPLED).run(make_task("calc", 12, seed=21), 1, tmp_path / "s.jsonl")
         greedy = await calc_runner(engine, config=GREEDY).run(make_task("calc", 12, seed=22), 1, tmp_path / "g.jsonl")
@@ -89,7 +82,7 @@ async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglan
     assert by_prompt(ours) == by_prompt(greedy)
 
 
-def test_train_syncs_weights_into_real_sglang_every_step(engine_logs, tmp_path):
+def test_train_syncs_weights_into_real_sglang_every_step(engine_logs, tmp_path, embedded_model):
     require_engine("sglang")
     with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
         out = tmp_path / "run"
@@ -109,11 +102,9 @@ def test_train_syncs_weights_into_real_sglang_every_step(engine_logs, tmp_path):
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
     assert all(m["rollout/staleness_max"] == 0 for m in metrics)
     served = [entry[0] for entry in body["meta_info"]["input_token_logprobs"][1:]]
-    expected = forward_logprobs(final.eval(), ids)
+    expected = reference_logprobs(final.eval(), ids)
     assert torch.allclose(torch.tensor(served), expected, atol=1e-4)
-    original = forward_logprobs(
-        AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, local_files_only=True, dtype=torch.float32).eval(), ids
-    )
+    original = reference_logprobs(embedded_model, ids)
     assert not torch.allclose(original, expected, atol=1e-4)  # training changed the policy
 
 

@@ -25,7 +25,7 @@ from rollout.engines.base import Generation, SamplingParams
 from rollout.engines.vllm_http import VLLMHTTPEngine
 from rollout.tokens import load_tokenizer
 from tests.conftest import run_cli
-from tests.real_engines.conftest import require_engine
+from tests.real_engines.conftest import reference_logprobs, require_engine
 
 QUESTIONS = ["What is 12+7?", "Compute 345*6.", "What is 81-29?", "How much is 7*8+3?"]
 LONG_PROMPT = [1, 5, 6, 7, 8]
@@ -42,25 +42,12 @@ def own_vllm_url(engine_logs) -> Iterator[str]:
         yield server.url
 
 
-@pytest.fixture(scope="module")
-def embedded_model() -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
-
-
 def chat_prompts() -> list[list[int]]:
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     return [
         list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"])
         for q in QUESTIONS
     ]
-
-
-def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / temperature) of ``ids[start:]`` under ``model`` (temperature 0: 1)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1]
-    logprobs = (logits / (temperature or 1.0)).log_softmax(-1)
-    return logprobs.gather(1, torch.tensor(ids[start:])[:, None]).squeeze(1)
 
 
 def max_logprob_gap(model: torch.nn.Module, prompt: list[int], generation: Generation, temperature: float) -> float:
