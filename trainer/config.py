@@ -20,6 +20,7 @@ from rollout.engines.config import EngineConfig
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k3"]
 
 
 def _calc_rollout(**changes: Any) -> RolloutConfig:
@@ -48,8 +49,13 @@ class GRPOConfig(PromptsConfig):
     """Drop groups whose rewards are all equal (no signal; counted as solve_all / solve_none), as
     DAPO's dynamic sampling does. Missing rewards (a failed judgment) are left out first."""
     oversample: float = 1.5
-    """With ``filter_groups``: roll out this many times ``prompts_per_step`` prompts and keep the
-    first ``prompts_per_step`` groups with signal (fewer when too many are filtered)."""
+    """With ``filter_groups``: a step first draws this many times ``prompts_per_step`` prompts
+    (the synchronous trainer's first round; a guess of how many groups filtering leaves)."""
+    max_draws: float = 4.0
+    """With ``filter_groups``: DAPO's dynamic sampling refills a step that filtering left short,
+    drawing more prompts until it has ``prompts_per_step`` groups with signal, but at most this many
+    times ``prompts_per_step`` prompts per step; a step that hits the cap trains on the groups it
+    has (counted as ``rollout/draw_cap_hit``). Both modes."""
 
     # --- advantages ---
     advantage_mode: AdvantageMode = "trajectory"
@@ -73,14 +79,34 @@ class GRPOConfig(PromptsConfig):
     weighs the same (original GRPO); seq-mean-token-sum-norm: token sums divided by one constant
     (Dr. GRPO, no length bias; ``loss_constant``). Normalised by global counts across processes."""
     loss_constant: float | None = None
-    """Normaliser of seq-mean-token-sum-norm (Dr. GRPO); None: the longest sequence of the step."""
+    """Normaliser of seq-mean-token-sum-norm (Dr. GRPO): a fixed generation budget in tokens, the
+    same every step. None: the rollout's token budget, ``rollout.max_turns x rollout.max_new_tokens``
+    (capped by ``rollout.max_model_len``)."""
     kl_beta: float = 0.0
-    """Weight of the k3 KL estimate to the initial policy; 0 loads no reference model (DAPO and
+    """Weight of the KL estimate to the initial policy; 0 loads no reference model (DAPO and
     Dr. GRPO drop the KL term)."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token estimator of KL(policy || reference) on the sampled tokens (Schulman's note):
+    k1 = logp - ref (unbiased, can be negative, high variance); k3 = exp(ref - logp) - (ref - logp)
+    - 1 (unbiased, never negative, low variance; GRPO's choice)."""
     tis_cap: float | None = 2.0
     """Truncated importance sampling (Yao et al. 2025): each token's loss is weighted by
     min(exp(trainer logprob - engine logprob), tis_cap), correcting the gap between the engine
     that sampled and the trainer (kernels, top-k/top-p cuts, stale weights). None: off."""
+
+    # --- asynchronous RL ---
+    async_rl: bool = False
+    """Overlap rollout and training (``trainer/async_rl.py``): rollouts run continuously into a
+    queue of finished groups, the trainer steps as soon as it has ``prompts_per_step`` usable
+    groups, and new weights reach the engine while requests go on (a request in flight continues
+    from its tokens on the new weights; each token keeps the version that produced it). Off: each
+    step rolls out, then updates, then syncs (the synchronous trainer)."""
+    max_staleness: int = 1
+    """Async only: the most a trained token may lag, in policy versions (the version being updated
+    minus the version that sampled the token). Groups are admitted only while they can still be
+    trained within it; a group that finishes too late is regenerated from its prompt (counted as
+    ``rollout/dropped``). 0 is on-policy (rollout waits for each update). Stale tokens are kept
+    honest by ``tis_cap``: their loss is weighted by min(pi_trainer / pi_engine, cap)."""
 
     # --- optimisation ---
     lr: float = 2e-4
@@ -125,6 +151,12 @@ class GRPOConfig(PromptsConfig):
             raise ValueError(f"eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
         if self.oversample < 1:
             raise ValueError(f"oversample must be >= 1, got {self.oversample}")
+        if self.max_draws < self.oversample:
+            raise ValueError(f"max_draws must be >= oversample ({self.oversample}), got {self.max_draws}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.loss_constant is not None and self.loss_constant <= 0:
+            raise ValueError(f"loss_constant must be > 0 (or null: the rollout's token budget), got {self.loss_constant}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or null: off), got {self.tis_cap}")
         if self.lr <= 0:
@@ -133,6 +165,13 @@ class GRPOConfig(PromptsConfig):
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
+
+    @property
+    def generation_budget(self) -> float:
+        """Dr. GRPO's fixed normaliser: ``loss_constant``, or the rollout's token budget."""
+        if self.loss_constant is not None:
+            return self.loss_constant
+        return float(min(self.rollout.max_turns * self.rollout.max_new_tokens, self.rollout.max_model_len))
 
 
 @dataclass
