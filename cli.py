@@ -186,12 +186,17 @@ def train(
     engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
     threads: int = typer.Option(None, help="torch intra-op threads."),
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show a progress bar of the steps."),
+    async_rl: bool = typer.Option(
+        None, "--async/--sync", help="Overlap rollout and training (async_rl), or step by step (default)."
+    ),
+    max_staleness: int = typer.Option(None, help="Async: the most policy versions a trained token may lag."),
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
     flags = {
         "steps": steps, "out": out, "model": model, "task": task, "data": data, "prompts_per_step": prompts_per_step,
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
         "engine.urls": engine_url or None, "engine.server": engine_server, "threads": threads, "progress": progress,
+        "async_rl": async_rl, "max_staleness": max_staleness,
     }  # fmt: skip
     from trainer.grpo import train as run_train
 

@@ -294,9 +294,10 @@ async def _score(
             raise ValueError(f"gave {result!r}, not a finite number")
         else:
             request.rewards.final = final
-    except Exception as exc:
+    except Exception as exc:  # 0.0 for the output's readers; reward_error keeps it out of training
         request.rewards.final = 0.0
-        _note_error(request, f"the reward function failed: {type(exc).__name__}: {exc}")
+        request.rewards.reward_error = f"the reward function failed: {type(exc).__name__}: {exc}"
+        _note_error(request, request.rewards.reward_error)
     if config.check_consistency and request.prompt_ids:
         try:
             report = chat.check_consistency(request.messages, request.all_ids, transcript)

@@ -65,6 +65,7 @@ class Rewards:
     final: float | None = 0.0  # what the trainer optimises; None: missing (a failed judgment), not trained on
     judge: float | None = None  # the LLM judge's score in [0, 1] (None: not judged, or the judgment failed)
     judge_error: str | None = None  # why the judgment failed (rollout/judge.py); the only reason final may be None
+    reward_error: str | None = None  # why the reward function raised (final stays 0.0); not trained on
 
 
 @dataclass

@@ -20,8 +20,11 @@ def by_sample(request) -> float:
     return float(request.sample_index % 2) + 0.25 * (request.prompt_index % 3)
 
 
-def main(model_dir: str, out_dir: str, result: str) -> None:
+def main(model_dir: str, out_dir: str, result: str, mode: str = "sync") -> None:
+    # async with max_staleness 0: each process trains on its share of the first groups, all
+    # sampled by the initial weights, so the update is the synchronous one
     config = GRPOConfig(
+        async_rl=mode == "async", max_staleness=0,
         model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2,
         rollout=RolloutConfig(max_turns=1, max_new_tokens=8, max_model_len=768, temperature=1.0),
         micro_batch_size=3, lr=1e-2, seed=5, filter_groups=False, checkpoint_every=0, tis_cap=None,
@@ -43,4 +46,4 @@ def main(model_dir: str, out_dir: str, result: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -126,7 +126,8 @@ def test_resuming_from_a_checkpoint_gives_the_same_next_step(tmp_path, tiny_mode
     a, b = straight.policy_state_dict(), resumed.policy_state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     state = json.loads((tmp_path / "b" / "run" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
-    assert state == {"step": 2, "data_position": 4}
+    assert (state["step"], state["data_position"], state["streams"]) == (2, 4, None)
+    assert state["elapsed_s"] > 0
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
@@ -153,6 +154,8 @@ def test_a_step_whose_groups_are_all_filtered_out_leaves_the_policy_alone(tmp_pa
     trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, steps=1, filter_groups=True), reward_fn=lambda r: 1.0)
     before = {k: v.clone() for k, v in trainer.policy_state_dict().items()}
     history = run(trainer)
-    assert history[0]["rollout/solve_all"] == 3 and history[0]["train/skipped_update"] == 1
+    # dynamic sampling drew to its cap, max_draws (4) x prompts_per_step (2), and found no signal
+    assert history[0]["rollout/solve_all"] == 8 and history[0]["train/skipped_update"] == 1
+    assert history[0]["rollout/draw_cap_hit"] == 1
     after = trainer.policy_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -15,7 +15,7 @@ from data.tiny_model import TinyModelConfig, save_tiny_model
 SCRIPT = Path(__file__).with_name("ddp_grpo_step.py")
 
 
-def launch(processes: int, model_dir: Path, out: Path) -> dict:
+def launch(processes: int, model_dir: Path, out: Path, mode: str = "sync") -> dict:
     accelerate = shutil.which("accelerate")
     if accelerate is None:
         pytest.fail("the accelerate command is not installed")
@@ -26,7 +26,7 @@ def launch(processes: int, model_dir: Path, out: Path) -> dict:
     command = [
         accelerate, "launch", *spread, "--num_processes", str(processes), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(SCRIPT), str(model_dir), str(out / "run"), str(result),
+        str(SCRIPT), str(model_dir), str(out / "run"), str(result), mode,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=out)
@@ -34,14 +34,15 @@ def launch(processes: int, model_dir: Path, out: Path) -> dict:
     return torch.load(result)
 
 
-def test_two_process_update_equals_one_process_update(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_process_update_equals_one_process_update(tmp_path, mode):
     # peaked logits, so that greedy rollouts do not hinge on float noise between batch shapes
     model_dir = save_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=64, num_layers=2,
                                 initializer_range=0.3, intermediate_size=128))  # fmt: skip
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    one = launch(1, model_dir, tmp_path / "one")
-    two = launch(2, model_dir, tmp_path / "two")
+    one = launch(1, model_dir, tmp_path / "one", mode)
+    two = launch(2, model_dir, tmp_path / "two", mode)
     assert one["metrics"]["train/tokens"] == two["metrics"]["train/tokens"]
     assert two["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-4)
     assert one["metrics"]["rollout/trajectories"] == two["metrics"]["rollout/trajectories"] == 8

@@ -113,3 +113,33 @@ def test_sigkill_during_train_then_resume_continues_from_the_last_checkpoint(tmp
     assert (run / "final" / "model.safetensors").is_file()
     assert not list(checkpoints.glob("*.partial"))
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]
+
+
+def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(tmp_path):
+    run = tmp_path / "run"
+    config = tmp_path / "grpo.yaml"
+    settings = {"steps": 5, "prompts_per_step": 4, "samples_per_prompt": 4, "checkpoint_every": 1, "out": str(run),
+                "progress": False, "async_rl": True, "max_staleness": 1}  # fmt: skip
+    config.write_text(yaml.safe_dump(settings))
+    process = subprocess.Popen(
+        [*rallyrl_command(), "train", "--config", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    checkpoints = run / "checkpoints"
+    wait_for(lambda: (checkpoints / "step-000002").exists(), 240, "the second checkpoint")
+    os.killpg(process.pid, signal.SIGKILL)  # groups in flight and queued die with it
+    process.wait(timeout=30)
+    killed_at = max(int(p.name.split("-")[1].split(".")[0]) for p in checkpoints.glob("step-*"))
+    assert killed_at < 5
+
+    resumed = run_cli("train", "--config", str(config), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    metrics = [orjson.loads(line) for line in (run / "metrics.jsonl").read_bytes().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    # every prompt a step consumed (trained on or filtered out) is in the ledger once, and the
+    # ledger holds nothing else: the groups lost with the process were rolled out again
+    (stream,) = orjson.loads((checkpoints / "step-000005" / "trainer_state.json").read_bytes())["streams"]
+    consumed = list(range(stream["mark"])) + stream["consumed"]
+    assert len(consumed) == len(set(consumed)) == sum(m["rollout/prompts_drawn"] for m in metrics)
+    assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
+    assert metrics[-1]["time/elapsed_s"] > metrics[killed_at - 1]["time/elapsed_s"]

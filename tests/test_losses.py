@@ -11,6 +11,7 @@ from torch import nn
 from trainer.losses import (
     aggregate,
     entropy_from_logits,
+    kl_k1,
     kl_k3,
     policy_loss,
     token_logprobs,
@@ -117,6 +118,44 @@ def test_k3_is_non_negative() -> None:
     torch.manual_seed(0)
     logprobs, ref = -5 * torch.rand(1000), -5 * torch.rand(1000)
     assert (kl_k3(logprobs, ref) >= 0).all()
+
+
+def test_k1_is_the_log_ratio_to_the_reference_and_can_be_negative() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    assert kl_k1(logprobs, ref).tolist() == [[0.5, -1.0, 0.0]]
+
+
+def test_k1_chosen_in_the_loss_gives_its_value_and_can_make_the_kl_negative() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])  # k1: 0.5 and -1.0, mean -0.25; k3 would be positive
+    out = policy_loss(logprobs, logprobs, torch.tensor([0.0]), torch.ones(1, 2), ref_logprobs=ref, kl_beta=0.5,
+                      kl_estimator="k1")  # fmt: skip
+    assert out.kl == pytest.approx(-0.25)
+    assert out.loss.item() == pytest.approx(0.5 * -0.25)
+    assert out.pg_loss == 0.0
+
+
+def test_the_gradient_of_the_k1_term_is_beta_per_token_whatever_the_reference() -> None:
+    """d(logp - ref)/d logp = 1; k3's would be 1 - exp(ref - logp), which depends on the reference."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.3, -4.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.3, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    advantages = torch.tensor([0.0], dtype=torch.float64)
+    out = policy_loss(logprobs, logprobs.detach(), advantages, mask, ref_logprobs=ref, kl_beta=0.3, kl_estimator="k1")
+    out.loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.1, 0.1, 0.1, 0.0])  # beta / 3 masked tokens
+    k3_grad = 0.3 / 3 * (1 - torch.exp(ref - logprobs.detach()))
+    logprobs.grad = None
+    policy_loss(logprobs, logprobs.detach(), advantages, mask, ref_logprobs=ref, kl_beta=0.3).loss.backward()
+    assert logprobs.grad[0, :3].tolist() == pytest.approx(k3_grad[0, :3].tolist())  # the default is k3
+
+
+def test_an_unknown_kl_estimator_is_a_value_error() -> None:
+    logprobs = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"kl_estimator must be one of \('k1', 'k3'\), got 'k2'"):
+        policy_loss(logprobs, logprobs, torch.tensor([1.0]), torch.ones(1, 2), ref_logprobs=logprobs, kl_beta=0.1,
+                    kl_estimator="k2")  # fmt: skip
 
 
 def test_kl_beta_without_reference_logprobs_is_an_error() -> None:

@@ -183,6 +183,22 @@ def test_three_grpo_steps_against_two_servers_update_both(tmp_path):
     assert (out / "final" / "config.json").is_file()
 
 
+def test_async_grpo_against_two_servers_keeps_requests_going_through_the_syncs(tmp_path):
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
+        out = tmp_path / "run"
+        urls = [arg for s in servers for arg in ("--engine-url", s.url)]
+        trained = run_cli("train", "--steps", "4", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                          "--no-progress", "--async", "--max-staleness", "1", *urls)  # fmt: skip
+        assert trained.returncode == 0, trained.stderr
+        versions = [get_json(f"{s.url}/get_model_info")["weight_version"] for s in servers]
+    assert versions == ["4", "4"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
+    assert all(m["rollout/groups_trained"] + m["rollout/draw_cap_hit"] >= 1 for m in metrics)
+    assert all(m["rollout/error_rate"] == 0 for m in metrics)  # paused requests resumed, none failed
+
+
 @contextlib.contextmanager
 def router(worker_urls: list[str], log: Path):
     port = free_port()

@@ -156,7 +156,7 @@ class GRPOConfig(PromptsConfig):
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.loss_constant is not None and self.loss_constant <= 0:
-            raise ValueError(f"loss_constant must be > 0 (or null: the rollout's token budget), got {self.loss_constant}")
+            raise ValueError(f"loss_constant must be > 0 (or null: the rollout's budget), got {self.loss_constant}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or null: off), got {self.tis_cap}")
         if self.lr <= 0:

@@ -1,8 +1,12 @@
 """From a step's finished requests to training samples, group by group.
 
-A group is the ``samples_per_prompt`` requests of one prompt. Requests whose reward is missing (a
-failed judgment) leave their group first; with filtering, groups whose rewards are all equal carry
-no signal and are dropped (DAPO's dynamic sampling, counted as solve_all / solve_none); then the
+A group is the ``samples_per_prompt`` requests of one prompt. Requests that say nothing about the
+model leave their group first, trained on nothing and out of its mean and std (``exclusion``):
+those that ended in ``error`` or ``abort`` (an engine, server or tool-create failure, a
+cancellation), those whose reward function raised (``rewards.reward_error``) and those whose
+reward is missing (a failed judgment); each kind is counted. With filtering, groups whose
+remaining rewards are all equal carry no signal and are dropped (DAPO's dynamic sampling, counted
+as solve_all / solve_none); without it, a group left with one member gets advantage 0. Then the
 first groups in draw order are kept, up to this process's share of the step.
 """
 
@@ -12,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rollout.request import AsyncRolloutRequest
+from rollout.request import AsyncRolloutRequest, FinishReason
 from trainer.advantages import (
     broadcast_advantages,
     filter_uniform_groups,
@@ -23,21 +27,49 @@ from trainer.advantages import (
 from trainer.batch import Sample, step_rewards, step_samples, trajectory_sample
 
 
+def exclusion(request: AsyncRolloutRequest) -> str | None:
+    """Why a finished request may not be trained on, as the key of its count in ``select_groups``'
+    stats (``excluded_errors``, ``excluded_aborts``, ``excluded_reward_errors``, ``rewards_missing``);
+    None when it may be. The first that applies wins, so a request is counted once."""
+    if request.finish_reason is FinishReason.ERROR:
+        return "excluded_errors"
+    if request.finish_reason is FinishReason.ABORT:
+        return "excluded_aborts"
+    if request.rewards.reward_error is not None:
+        return "excluded_reward_errors"
+    if not present_mask([request.rewards.final])[0]:
+        return "rewards_missing"  # a failed judgment, counted by the rollout metrics already
+    return None
+
+
+def usable(request: AsyncRolloutRequest) -> bool:
+    """Whether a finished request may be trained on and counted in its group's statistics."""
+    return exclusion(request) is None
+
+
 def select_groups(requests: list[AsyncRolloutRequest], filter_groups: bool,
                   share: int) -> tuple[list[AsyncRolloutRequest], dict[str, float]]:  # fmt: skip
-    """The requests of the first ``share`` usable groups, and the counts of this process
-    (solve_all, solve_none, groups_trained) to be summed across processes."""
-    present = present_mask([r.rewards.final for r in requests])
-    requests = [r for r, p in zip(requests, present.tolist(), strict=True) if p]
+    """The usable requests of the first ``share`` groups with any left, and the counts of this
+    process (excluded_errors, excluded_aborts, excluded_reward_errors, solve_all, solve_none,
+    groups_trained) to be summed across processes."""
+    stats: dict[str, float] = {"excluded_errors": 0, "excluded_aborts": 0, "excluded_reward_errors": 0}
+    kept_requests = []
+    for request in requests:
+        reason = exclusion(request)
+        if reason is None:
+            kept_requests.append(request)
+        elif reason != "rewards_missing":
+            stats[reason] += 1
+    requests = kept_requests
     rewards = torch.tensor([r.rewards.final for r in requests], dtype=torch.float32)
     groups = torch.tensor([r.prompt_index for r in requests], dtype=torch.long)
     keep = torch.ones(len(requests), dtype=torch.bool)
-    stats: dict[str, float] = {"solve_all": 0, "solve_none": 0}
+    stats |= {"solve_all": 0, "solve_none": 0}
     if filter_groups and requests:
         keep, filtered = filter_uniform_groups(rewards, groups)
-        stats = {"solve_all": filtered.solve_all, "solve_none": filtered.solve_none}
-    usable = sorted({int(g) for g, k in zip(groups, keep, strict=True) if k})
-    chosen = set(usable[:share])  # in draw order
+        stats |= {"solve_all": filtered.solve_all, "solve_none": filtered.solve_none}
+    usable_groups = sorted({int(g) for g, k in zip(groups, keep, strict=True) if k})
+    chosen = set(usable_groups[:share])  # in draw order
     stats["groups_trained"] = len(chosen)
     return [r for r in requests if r.prompt_index in chosen], stats
 

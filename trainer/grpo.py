@@ -1,6 +1,11 @@
 """GRPO on Accelerate, one step read top to bottom in ``GRPOTrainer.step``:
 
-    rollout -> rewards -> advantages -> ppo_epochs x (micro-batches -> backward) -> clip -> step -> sync -> log
+    rollout (refilled until enough groups have signal) -> rewards -> advantages
+    -> ppo_epochs x (micro-batches -> backward) -> clip -> step -> sync -> log
+
+``GRPOConfig.async_rl`` overlaps the two halves (``GRPOTrainer.train_async``): rollouts run on
+in the background (``trainer/async_rl.py``) while the trainer updates on the groups that
+finished, within ``max_staleness`` policy versions.
 
 Data parallel with ``accelerate launch``: every process rolls out its share of the step's
 prompts (whole groups), and the loss is normalised by global counts so that N processes make
@@ -15,13 +20,14 @@ import copy
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from rich.console import Console
 from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 
@@ -34,6 +40,7 @@ from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
 from rollout.stats import RolloutCounts
 from rollout.tokens import load_tokenizer
+from trainer.async_rl import GroupProducer, MeteredEngine, PromptLedger
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
 from trainer.config import GRPOConfig
@@ -50,6 +57,11 @@ class TrainerState:
 
     step: int = 0
     data_position: int = 0
+    """Synchronous runs: the next prompt of the stream. Async runs: the lowest prompt not consumed."""
+    streams: list[dict[str, Any]] | None = None
+    """Async runs: each process's ``PromptLedger`` state (which prompts were consumed)."""
+    elapsed_s: float = 0.0
+    """Wall seconds of training up to this state (a resumed run's clock goes on from here)."""
 
 
 class PromptStream:
@@ -101,6 +113,8 @@ class GRPOTrainer:
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)
         self.engine = engine
+        self.metered: MeteredEngine | None = None  # the engine as rollouts see it (idle time)
+        self.ledger: PromptLedger | None = None  # async: this process's prompts and which were consumed
         self.prompts = PromptStream(config)
         self.state = TrainerState()
 
@@ -124,23 +138,17 @@ class GRPOTrainer:
 
     async def step(self, runner: RolloutRunner) -> dict[str, Any]:
         """One GRPO step; returns its metrics (the same on every process)."""
-        config, accelerator = self.config, self.accelerator
+        config = self.config
+        started, engine_idle = time.monotonic(), self.metered_idle()
 
-        # 1. rollout: the step's prompts (oversampled when filtering), this process's share
+        # 1. rollout: the step's prompts, refilled while filtering leaves it short (this process's share)
         timer = PhaseTimer()
         with timer("rollout"):
-            wanted = config.prompts_per_step
-            drawn = math.ceil(wanted * config.oversample) if config.filter_groups else wanted
-            prompts = self.prompts.take(drawn)
-            mine = list(range(accelerator.process_index, drawn, accelerator.num_processes))
-            # group ids are global prompt positions in this step; sampling seeds follow them, so a
-            # step's rollouts do not depend on how prompts are split or batched
-            runner.config = dataclasses.replace(config.rollout, seed=config.seed * 100_003 + self.state.step)
-            result = await runner.run([prompts[i] for i in mine], config.samples_per_prompt, prompt_indices=mine)
-            requests = result.requests
+            requests, draws = await self.roll_out_step(runner)
 
         # 2. advantages (groups live on one process, so they are computed locally)
-        samples, group_stats = self.build_samples(requests, wanted)
+        samples, group_stats = self.build_samples(requests, config.prompts_per_step)
+        group_stats.update(draws)
 
         # 3. update: ppo_epochs passes, gradients accumulated over micro-batches
         with timer("update"):
@@ -155,10 +163,57 @@ class GRPOTrainer:
         rollout = self.rollout_metrics(requests, policy_version=self.state.step)
         self.state.step += 1
         self.state.data_position = self.prompts.position
+        return self.step_metrics(rollout, group_stats, update, timer, started, engine_idle)
+
+    async def roll_out_step(self, runner: RolloutRunner) -> tuple[list[AsyncRolloutRequest], dict[str, float]]:
+        """Roll out ``prompts_per_step`` prompts (``oversample`` times that when filtering); while
+        fewer than ``prompts_per_step`` groups have signal, draw more (DAPO's dynamic sampling),
+        sized by the share kept so far, up to ``max_draws`` x ``prompts_per_step`` prompts."""
+        config, accelerator = self.config, self.accelerator
+        wanted = config.prompts_per_step
+        size = math.ceil(wanted * config.oversample) if config.filter_groups else wanted
+        cap = max(size, math.floor(wanted * config.max_draws)) if config.filter_groups else wanted
+        # group ids are global prompt positions in this step; sampling seeds follow them, so a
+        # step's rollouts do not depend on how prompts are split or batched
+        runner.config = dataclasses.replace(config.rollout, seed=config.seed * 100_003 + self.state.step)
+        requests: list[AsyncRolloutRequest] = []
+        drawn = rounds = 0
+        usable = 0.0
+        while True:
+            prompts = self.prompts.take(size)
+            mine = [i for i in range(drawn, drawn + size) if i % accelerator.num_processes == accelerator.process_index]
+            records = [prompts[i - drawn] for i in mine]
+            result = await runner.run(records, config.samples_per_prompt, prompt_indices=mine)
+            requests += result.requests
+            drawn, rounds = drawn + size, rounds + 1
+            if not config.filter_groups:
+                break
+            local = select_groups(requests, True, len(requests))[1]["groups_trained"]
+            usable = sum_across_processes(accelerator, {"usable": local})["usable"]
+            if usable >= wanted or drawn >= cap:
+                break
+            kept_share = max(usable / drawn, 1 / config.max_draws)
+            size = min(cap - drawn, math.ceil((wanted - usable) / kept_share))
+        cap_hit = float(bool(config.filter_groups) and usable < wanted)
+        return requests, {"prompts_drawn": drawn, "draw_rounds": rounds, "draw_cap_hit": cap_hit}
+
+    def step_metrics(self, rollout: dict[str, Any], group_stats: dict[str, float], update: dict[str, float],
+                     timer: PhaseTimer, started: float, engine_idle: float) -> dict[str, Any]:  # fmt: skip
+        """The step's metrics: ``rollout/``, ``train/`` and ``time/`` (wall of the step, the run's
+        clock, and the shares of it the engine and the trainer sat idle)."""
+        wall = time.monotonic() - started
+        self.state.elapsed_s += wall
         update["lr"] = self.scheduler.get_last_lr()[0]
         times = timer.seconds()
-        times["rollout_tokens_per_s"] = rollout["generated_tokens"] / times["rollout_s"] if times["rollout_s"] else 0.0
+        rollout_s = times.get("rollout_s", wall)
+        times["rollout_tokens_per_s"] = rollout["generated_tokens"] / rollout_s if rollout_s else 0.0
         times["update_tokens_per_s"] = update["tokens"] / times["update_s"] if times["update_s"] else 0.0
+        times["step_wall_s"] = wall
+        times["elapsed_s"] = self.state.elapsed_s
+        busy = times["update_s"] + times["sync_s"]
+        times["trainer_idle_fraction"] = max(0.0, 1 - busy / wall) if wall > 0 else 0.0
+        idle = self.metered_idle() - engine_idle
+        times["engine_idle_fraction"] = min(1.0, max(0.0, idle / wall)) if wall > 0 else 0.0
         return {
             "step": self.state.step,
             **{f"rollout/{k}": v for k, v in {**rollout, **group_stats}.items()},
@@ -166,15 +221,26 @@ class GRPOTrainer:
             **{f"time/{k}": v for k, v in times.items()},
         }
 
+    def metered_idle(self) -> float:
+        return self.metered.idle_seconds() if self.metered is not None else 0.0
+
     def build_samples(self, requests: list[AsyncRolloutRequest], wanted_groups: int) -> tuple[list[Sample], dict]:
-        """Rewards -> advantages -> training samples (``trainer/groups.py``): missing rewards left
-        out, uniform groups dropped when filtering, at most this process's share of the wanted groups."""
+        """Rewards -> advantages -> training samples (``trainer/groups.py``): failed and unrewarded
+        requests left out, uniform groups dropped when filtering, then the first ``wanted_groups``
+        usable groups of the step in draw order, over all processes."""
         config, accelerator = self.config, self.accelerator
-        share = len(range(accelerator.process_index, wanted_groups, accelerator.num_processes))
-        kept, stats = select_groups(requests, config.filter_groups, share)
+        kept, stats = select_groups(requests, config.filter_groups, len(requests))
+        usable = sorted({r.prompt_index for r in kept})
+        every = sorted(gather_object(usable)) if accelerator.num_processes > 1 else usable
+        chosen = set(every[:wanted_groups])
+        kept = [r for r in kept if r.prompt_index in chosen]
+        stats["groups_trained"] = len(chosen.intersection(usable))
         stats = sum_across_processes(accelerator, stats)
-        samples = group_samples(kept, config.advantage_mode, config.advantage_scale, config.gamma)
-        return samples, stats
+        return self.samples_of(kept), stats
+
+    def samples_of(self, kept: list[AsyncRolloutRequest]) -> list[Sample]:
+        config = self.config
+        return group_samples(kept, config.advantage_mode, config.advantage_scale, config.gamma)
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """ppo_epochs optimizer steps over ``samples``; the loss is normalised by global counts."""
@@ -191,12 +257,11 @@ class GRPOTrainer:
         if counts["tokens"] == 0:  # every group filtered out everywhere: no signal, so no optimizer step
             self.model.eval()
             return {**totals, "grad_norm": 0.0, "tokens": 0.0, "sequences": 0, "skipped_update": 1}
-        longest = max_across_processes(self.accelerator, max((b.input_ids.shape[1] for b in batches), default=1))
         rows = counts["rows"]
         normaliser = {  # the global denominator of each aggregation
             "token-mean": max(counts["tokens"], 1.0),
             "seq-mean-token-mean": max(counts["seqs"], 1.0),
-            "seq-mean-token-sum-norm": max(rows, 1.0) * (config.loss_constant or longest),
+            "seq-mean-token-sum-norm": max(rows, 1.0) * config.generation_budget,  # Dr. GRPO: a fixed budget
         }[config.loss_aggregation]
         old = None
         if config.ppo_epochs > 1:  # the policy before this step's updates
@@ -274,6 +339,7 @@ class GRPOTrainer:
             agg_constant=1.0 if drgrpo else None,
             ref_logprobs=reference,
             kl_beta=config.kl_beta,
+            kl_estimator=config.kl_estimator,
             is_weights=is_weights,
             entropy=entropy,
         )
@@ -305,7 +371,7 @@ class GRPOTrainer:
             return
         if self.is_main:
             await sync_weights(engine, policy, self.tokenizer, self.out / "weights", version)
-        self.accelerator.wait_for_everyone()
+        await asyncio.to_thread(self.accelerator.wait_for_everyone)  # the event loop keeps requests moving
 
     def rollout_metrics(self, requests: list[AsyncRolloutRequest], policy_version: int = 0) -> dict[str, Any]:
         """The rollout statistics (``rollout/stats.py``) over every process, and the weight version."""
@@ -338,22 +404,105 @@ class GRPOTrainer:
             if isinstance(engine, LoadsWeightsFromDisk) or (resume and self.state.step):
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)
-            runner = RolloutRunner(engine, self.chat, self.tools, config.rollout, reward_fn=self.reward_fn,
-                                   progress=False)  # fmt: skip
+            self.metered = MeteredEngine(engine)
             with step_progress(self.console, enabled=config.progress and self.is_main) as bar:
                 task = bar.add_task("grpo", total=config.steps, completed=self.state.step, reward=math.nan,
                                     acc=math.nan)  # fmt: skip
-                while self.state.step < config.steps:
-                    metrics = await self.step(runner)
+
+                def finished(metrics: dict[str, Any]) -> bool:
+                    """Log a step; True when a checkpoint is due."""
                     history.append(metrics)
                     self.log(metrics)
                     bar.update(task, advance=1, reward=metrics["rollout/reward_mean"],
                                acc=metrics["rollout/accuracy"])  # fmt: skip
                     due = config.checkpoint_every and self.state.step % config.checkpoint_every == 0
-                    if due or self.state.step == config.steps:
-                        self.save_checkpoint()
+                    return bool(due) or self.state.step == config.steps
+
+                if config.async_rl:
+                    await self.train_async(finished)
+                else:
+                    runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
+                                           reward_fn=self.reward_fn, progress=False)  # fmt: skip
+                    while self.state.step < config.steps:
+                        if finished(await self.step(runner)):
+                            self.save_checkpoint()
         self.save_final(history)
         return history
+
+    # ----- asynchronous RL ---------------------------------------------------------------------
+
+    async def train_async(self, finished: Any) -> None:
+        """Steps on groups a background producer keeps rolling out (``trainer/async_rl.py``)."""
+        config, accelerator = self.config, self.accelerator
+        rank, world = accelerator.process_index, accelerator.num_processes
+        share = len(range(rank, config.prompts_per_step, world))
+        streams = self.state.streams
+        if streams is not None and len(streams) != world:
+            raise ValueError(f"--resume: the checkpoint was written by {len(streams)} processes, this run has {world}")
+        ledger = PromptLedger(self.prompts.records, rank, world, streams[rank] if streams else None)
+        if streams is None and self.state.data_position:  # a synchronous run's checkpoint
+            ledger.mark = ledger.cursor = max(0, -(-(self.state.data_position - rank) // world))
+        self.ledger = ledger
+        producer = GroupProducer(
+            self.metered, self.chat, self.tools, config.rollout, self.reward_fn, ledger, config.samples_per_prompt,
+            capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step,
+        )  # fmt: skip
+        async with producer:
+            while self.state.step < config.steps:
+                if finished(await self.async_step(producer, share)):
+                    await asyncio.to_thread(self.save_checkpoint)  # requests go on meanwhile
+
+    async def async_step(self, producer: GroupProducer, share: int) -> dict[str, Any]:
+        """Take finished groups until ``share`` have signal (or ``max_draws`` is reached), update on
+        them in a worker thread while rollouts go on, then sync the engine."""
+        config, ledger = self.config, self.ledger
+        started, engine_idle = time.monotonic(), self.metered_idle()
+        version = self.state.step
+        timer = PhaseTimer()
+        cap = max(share, math.floor(share * config.max_draws)) if config.filter_groups else share
+        taken: list[AsyncRolloutRequest] = []
+        kept: list[AsyncRolloutRequest] = []
+        trained = draws = dropped = 0
+        stats: dict[str, float] = {}
+        with timer("wait"):
+            while trained < share and draws < cap:
+                group = await producer.next_group()
+                if group.staleness(version) > config.max_staleness:  # finished too late: regenerate it
+                    ledger.regenerate(group.position, group.attempt)
+                    dropped += 1
+                    await producer.release()
+                    continue
+                ledger.consume(group.position)
+                draws += 1
+                taken += group.requests
+                usable, counts = select_groups(group.requests, config.filter_groups, 1)
+                for key, value in counts.items():
+                    stats[key] = stats.get(key, 0) + value
+                if usable:
+                    kept += usable
+                    trained += 1
+                else:
+                    await producer.release()
+        stats.update(prompts_drawn=draws, draw_cap_hit=float(trained < share), dropped=dropped,
+                     queued_groups=producer.queued())  # fmt: skip
+        with timer("update"):
+            rollout, stats, update = await asyncio.to_thread(self.async_update, taken, kept, stats, version)
+        with timer("sync"):
+            await self.sync(self.engine, version + 1)
+        self.state.step += 1
+        producer.version = self.state.step
+        await producer.release(trained)  # their slots reopen on the new weights
+        stats["draw_cap_hit"] = float(stats["draw_cap_hit"] > 0)
+        return self.step_metrics(rollout, stats, update, timer, started, engine_idle)
+
+    def async_update(self, taken: list[AsyncRolloutRequest], kept: list[AsyncRolloutRequest],
+                     stats: dict[str, float], version: int) -> tuple[dict, dict, dict]:  # fmt: skip
+        """The collective part of an async step (run in a worker thread): counts over processes,
+        the update, the rollout statistics of the groups taken."""
+        stats = sum_across_processes(self.accelerator, stats)
+        update = self.update(self.samples_of(kept))
+        rollout = self.rollout_metrics(taken, policy_version=version)
+        return rollout, stats, update
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.is_main:
@@ -364,6 +513,10 @@ class GRPOTrainer:
         """``out/checkpoints/step-N``: Accelerate's state, step and data position, and the model's
         config and tokenizer (a model directory too); the oldest beyond ``keep_checkpoints`` go."""
         parent = self.out / "checkpoints"
+        if self.ledger is not None:  # async: which prompts every process consumed
+            self.state.streams = gather_object([self.ledger.state()])
+            lowest = gather_object([self.ledger.lowest_unconsumed_position()])
+            self.state.data_position = min(lowest)
         save_training_checkpoint(self.accelerator, self.model, self.tokenizer, parent / f"step-{self.state.step:06d}",
                                  dataclasses.asdict(self.state))  # fmt: skip
         if self.is_main:

@@ -2,8 +2,8 @@
 
 - ``policy_loss``: the clipped surrogate with asymmetric clip range (``eps_low`` /
   ``eps_high``, DAPO's clip-higher), optional truncated importance-sampling weights, an
-  optional k3 KL penalty to a reference policy added to the loss (GRPO style), and one of
-  three loss aggregations (``aggregate``).
+  optional KL penalty to a reference policy added to the loss (GRPO style; the k3 or k1
+  estimator, ``kl_k3`` / ``kl_k1``), and one of three loss aggregations (``aggregate``).
 - ``mask`` is the loss mask: 1 on the tokens the policy generated, 0 on prompt, tool output,
   template glue and padding. Every input is replaced by 0 where ``mask == 0`` before any
   arithmetic (``torch.where``), so masked-out positions get a gradient of exactly zero, even
@@ -18,9 +18,11 @@ from typing import get_args
 import torch
 from torch import Tensor
 
+from trainer.config import KLEstimator
 from trainer.config import LossAggregation as AggregationMode
 
 _AGGREGATION_MODES = get_args(AggregationMode)
+_KL_ESTIMATORS = get_args(KLEstimator)
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -80,6 +82,17 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return log_ratio.exp() - log_ratio - 1
 
 
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Elementwise k1 estimator of KL(policy || ref) on tokens sampled from the policy.
+
+    ``logp - ref``: unbiased like k3 but negative wherever the reference gives the token more
+    probability, and of higher variance. Added to the loss, its gradient is ``grad logp`` alone,
+    whose expectation over the policy's own samples is 0: it does not pull towards the reference
+    on average (k3's gradient does), so k1 is mostly for comparison and logging.
+    """
+    return logprobs - ref_logprobs
+
+
 def truncated_is_weights(trainer_old_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
     """Truncated importance-sampling weights ``min(exp(old - engine), cap)``, detached.
 
@@ -126,7 +139,7 @@ class PolicyLossOutput:
     pg_loss: float
     """The aggregated clipped-surrogate part of ``loss`` alone (IS weights included, no KL)."""
     kl: float
-    """Mean k3 KL to the reference over masked tokens; 0.0 without ``ref_logprobs``."""
+    """Mean KL estimate (``kl_estimator``) to the reference over masked tokens; 0.0 without ``ref_logprobs``."""
     clip_fraction: float
     """Share of masked tokens where the clip bites (the clipped branch is selected and differs)."""
     approx_kl: float
@@ -149,6 +162,7 @@ def policy_loss(
     agg_constant: float | None = None,
     ref_logprobs: Tensor | None = None,
     kl_beta: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
     is_weights: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> PolicyLossOutput:
@@ -156,7 +170,8 @@ def policy_loss(
 
     Per token: ``ratio = exp(logp - old)`` (log-ratio clamped to [-20, 20]),
     ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``, times ``is_weights`` when
-    given, plus ``kl_beta * kl_k3(logp, ref)`` when ``kl_beta > 0``; then ``aggregate``.
+    given, plus ``kl_beta * kl(logp, ref)`` when ``kl_beta > 0``, ``kl`` being ``kl_k3`` or ``kl_k1``
+    as ``kl_estimator`` says; then ``aggregate``.
     ``advantages`` is ``[B]`` (one per sequence) or ``[B, T]``. ``old_logprobs``,
     ``advantages``, ``ref_logprobs`` and ``is_weights`` are treated as constants (detached).
     ``entropy`` (``[B, T]``) only feeds the metric; no entropy bonus is added.
@@ -164,6 +179,8 @@ def policy_loss(
     _check_token_shapes(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
     if not 0 <= eps_low < 1 or eps_high < 0:
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low=} {eps_high=}")
+    if kl_estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_beta > 0 and ref_logprobs is None:
         raise ValueError(f"kl_beta={kl_beta} > 0 needs ref_logprobs; pass them or set kl_beta to 0")
     if advantages.dim() == 1:
@@ -196,7 +213,8 @@ def policy_loss(
     kl_tokens = None
     if ref_logprobs is not None:
         _check_token_shapes(logprobs=logprobs, ref_logprobs=ref_logprobs)
-        kl_tokens = kl_k3(logp, masked_constant(ref_logprobs))
+        estimator = {"k1": kl_k1, "k3": kl_k3}[kl_estimator]
+        kl_tokens = estimator(logp, masked_constant(ref_logprobs))
         if kl_beta > 0:
             per_token = per_token + kl_beta * kl_tokens
     loss = aggregate(torch.where(keep, per_token, zeros), keep, aggregation, agg_constant)

@@ -64,16 +64,19 @@ CONSOLE_FIELDS = (
     ("train/grad_norm", "  gnorm {:.3f}"),
     ("train/lr", "  lr {:.2e}"),
     ("time/rollout_s", "  rollout {:.1f}s"),
+    ("time/wait_s", "  wait {:.1f}s"),
     ("time/update_s", " update {:.1f}s"),
     ("time/sync_s", " sync {:.2f}s"),
     ("rollout/staleness_mean", "  stale {:.2f}"),
     ("time/update_tokens_per_s", "  {:.0f} train tok/s"),
 )
-"""What the console line of a GRPO step shows, in order."""
+"""What the console line of a GRPO step shows, in order (those the step has: async steps wait for
+rollouts rather than run them)."""
 
 
 def console_line(metrics: dict[str, Any]) -> str:
-    return f"step {metrics['step']:>3}  " + "".join(fmt.format(_value(metrics, k)) for k, fmt in CONSOLE_FIELDS)
+    fields = (fmt.format(_value(metrics, k)) for k, fmt in CONSOLE_FIELDS if k in metrics)
+    return f"step {metrics['step']:>3}  " + "".join(fields)
 
 
 CURVES = (
