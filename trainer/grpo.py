@@ -115,6 +115,7 @@ class GRPOTrainer:
         self.engine = engine
         self.metered: MeteredEngine | None = None  # the engine as rollouts see it (idle time)
         self.ledger: PromptLedger | None = None  # async: this process's prompts and which were consumed
+        self._step_began = self._engine_idle_began = 0.0  # the step clock: when the last step ended
         self.prompts = PromptStream(config)
         self.state = TrainerState()
 
@@ -139,7 +140,6 @@ class GRPOTrainer:
     async def step(self, runner: RolloutRunner) -> dict[str, Any]:
         """One GRPO step; returns its metrics (the same on every process)."""
         config = self.config
-        started, engine_idle = time.monotonic(), self.metered_idle()
 
         # 1. rollout: the step's prompts, refilled while filtering leaves it short (this process's share)
         timer = PhaseTimer()
@@ -163,7 +163,7 @@ class GRPOTrainer:
         rollout = self.rollout_metrics(requests, policy_version=self.state.step)
         self.state.step += 1
         self.state.data_position = self.prompts.position
-        return self.step_metrics(rollout, group_stats, update, timer, started, engine_idle)
+        return self.step_metrics(rollout, group_stats, update, timer)
 
     async def roll_out_step(self, runner: RolloutRunner) -> tuple[list[AsyncRolloutRequest], dict[str, float]]:
         """Roll out ``prompts_per_step`` prompts (``oversample`` times that when filtering); while
@@ -198,11 +198,14 @@ class GRPOTrainer:
         return requests, {"prompts_drawn": drawn, "draw_rounds": rounds, "draw_cap_hit": cap_hit}
 
     def step_metrics(self, rollout: dict[str, Any], group_stats: dict[str, float], update: dict[str, float],
-                     timer: PhaseTimer, started: float, engine_idle: float) -> dict[str, Any]:  # fmt: skip
+                     timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
         """The step's metrics: ``rollout/``, ``train/`` and ``time/`` (wall of the step, the run's
         clock, and the shares of it the engine and the trainer sat idle)."""
-        wall = time.monotonic() - started
+        now, engine_idle = time.monotonic(), self.metered_idle()
+        wall = now - self._step_began  # since the last step ended: its checkpoint save included
         self.state.elapsed_s += wall
+        idle = engine_idle - self._engine_idle_began
+        self._step_began, self._engine_idle_began = now, engine_idle
         update["lr"] = self.scheduler.get_last_lr()[0]
         times = timer.seconds()
         rollout_s = times.get("rollout_s", wall)
@@ -212,7 +215,6 @@ class GRPOTrainer:
         times["elapsed_s"] = self.state.elapsed_s
         busy = times["update_s"] + times["sync_s"]
         times["trainer_idle_fraction"] = max(0.0, 1 - busy / wall) if wall > 0 else 0.0
-        idle = self.metered_idle() - engine_idle
         times["engine_idle_fraction"] = min(1.0, max(0.0, idle / wall)) if wall > 0 else 0.0
         return {
             "step": self.state.step,
@@ -405,6 +407,7 @@ class GRPOTrainer:
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)
             self.metered = MeteredEngine(engine)
+            self._step_began, self._engine_idle_began = time.monotonic(), 0.0
             with step_progress(self.console, enabled=config.progress and self.is_main) as bar:
                 task = bar.add_task("grpo", total=config.steps, completed=self.state.step, reward=math.nan,
                                     acc=math.nan)  # fmt: skip
@@ -456,7 +459,6 @@ class GRPOTrainer:
         """Take finished groups until ``share`` have signal (or ``max_draws`` is reached), update on
         them in a worker thread while rollouts go on, then sync the engine."""
         config, ledger = self.config, self.ledger
-        started, engine_idle = time.monotonic(), self.metered_idle()
         version = self.state.step
         timer = PhaseTimer()
         cap = max(share, math.floor(share * config.max_draws)) if config.filter_groups else share
@@ -493,7 +495,7 @@ class GRPOTrainer:
         producer.version = self.state.step
         await producer.release(trained)  # their slots reopen on the new weights
         stats["draw_cap_hit"] = float(stats["draw_cap_hit"] > 0)
-        return self.step_metrics(rollout, stats, update, timer, started, engine_idle)
+        return self.step_metrics(rollout, stats, update, timer)
 
     def async_update(self, taken: list[AsyncRolloutRequest], kept: list[AsyncRolloutRequest],
                      stats: dict[str, float], version: int) -> tuple[dict, dict, dict]:  # fmt: skip

@@ -41,6 +41,10 @@ class LocalEngineConfig:
     process index). Seeded rollouts (``rollout.seed``) sample each turn with its own seed instead."""
     prefix_cache_mb: int = 512
     """Memory for the KV of finished sequences, reused by prompts that extend them (0 = off)."""
+    recompute_on_update: bool = True
+    """True: a request in flight during a weight update continues from the tokens it has, its
+    keys and values recomputed with the new weights (as SGLang's resumed requests); False: it
+    keeps the old keys and values (cheaper; the context mixes weights)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

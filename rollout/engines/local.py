@@ -3,8 +3,11 @@
 One background task owns the batch. Between decode steps it admits waiting requests
 (prefilled together into free rows of the KV buffer), drops finished and aborted ones,
 and applies pending weight updates; each step then decodes one token for every running
-request. Model steps run on a single worker thread, so the event loop stays free for
-tools and I/O. Sampling is in ``sampling.py``, a request's state in ``sequence.py``.
+request. After a weight update every running request is computed again from its tokens so
+far on the new weights (``recompute_on_update``), as a request that SGLang aborts and resumes
+is, so that each later token comes from the new policy alone. Model steps run on a single
+worker thread, so the event loop stays free for tools and I/O. Sampling is in
+``sampling.py``, a request's state in ``sequence.py``.
 """
 
 from __future__ import annotations
@@ -267,6 +270,9 @@ class LocalEngine:
                 if None in aborts or seq.rid in aborts:
                     seq.finish = "abort"
             finished += self._retire()
+        if self.config.recompute_on_update and any(seq.stale_kv for seq in self._running):
+            self._recompute()
+            finished += self._retire()
         if admitted:
             self._prefill(admitted)
             finished += self._retire()
@@ -278,6 +284,9 @@ class LocalEngine:
     def _load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)
         self._prefix_cache.clear()  # cached keys and values came from the old weights
+        for seq in self._running:  # and so did those of the running sequences
+            seq.stale_kv = True
+        self._shared_length = None
         self.weight_version = version
 
     def _forward(
@@ -303,9 +312,37 @@ class LocalEngine:
         running = self._running
         if len(running) < 2 or not self._cascade:
             return 0
-        if self._shared_length is None:
-            self._shared_length = shared_prefix_length([s.prompt_ids for s in running])
+        if self._shared_length is None:  # rows from different weights hold different keys for one prefix
+            stale = any(s.stale_kv for s in running)
+            self._shared_length = 0 if stale else shared_prefix_length([s.prompt_ids for s in running])
         return self._shared_length
+
+    def _compute_rows(
+        self, first: int, tokens: list[list[int]], starts: list[int], cached: list[Any] | None = None
+    ) -> torch.Tensor:
+        """Compute ``tokens[i][starts[i]:]`` into KV row ``first + i`` from column ``starts[i]``
+        (columns ``0 .. starts[i]`` hold the rest already, or get ``cached[i]``, a prefix cache
+        entry); returns the hidden state at each row's last token, [rows, hidden]. Marks no
+        column valid."""
+        kv, device = self._kv, self.device
+        count = len(tokens)
+        lengths = [len(ids) for ids in tokens]
+        query = max(n - start for n, start in zip(lengths, starts, strict=True))
+        kv.reserve(first + count, max(kv.width, max(lengths), max(starts) + query) + 1)
+        input_ids = torch.zeros(count, query, dtype=torch.long, device=device)
+        for i, (ids, start) in enumerate(zip(tokens, starts, strict=True)):
+            input_ids[i, : lengths[i] - start] = torch.tensor(ids[start:], device=device)
+            if cached is not None and cached[i] is not None:
+                kv.load_row(first + i, cached[i].keys, cached[i].values, start)
+        start_t = torch.tensor(starts, device=device)
+        positions = start_t[:, None] + torch.arange(query, device=device)[None, :]  # [count, query]
+        end = int(positions.max()) + 1
+        mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]  # [count, query, end]
+        rows = slice(first, first + count)
+        start: int | torch.Tensor = starts[0] if len(set(starts)) == 1 else start_t
+        hidden = self._forward(input_ids, positions, mask, kv.view(rows, start))
+        last = torch.tensor([n - s - 1 for n, s in zip(lengths, starts, strict=True)], device=device)
+        return hidden[torch.arange(count, device=device), last]
 
     def _prefill(self, admitted: list[Sequence]) -> None:
         """Compute the admitted prompts (less what the prefix cache has) into new rows, and
@@ -315,22 +352,8 @@ class LocalEngine:
         cached = [self._prefix_cache.lookup(seq.prompt_ids) for seq in admitted]
         starts = [length for _, length in cached]
         lengths = [len(seq.prompt_ids) for seq in admitted]
-        query = max(n - start for n, start in zip(lengths, starts, strict=True))
-        kv.reserve(first + count, max(kv.width, max(lengths), max(starts) + query) + 1)
-        input_ids = torch.zeros(count, query, dtype=torch.long, device=device)
-        for i, (seq, (entry, start)) in enumerate(zip(admitted, cached, strict=True)):
-            input_ids[i, : lengths[i] - start] = torch.tensor(seq.prompt_ids[start:], device=device)
-            if entry is not None:
-                kv.load_row(first + i, entry.keys, entry.values, start)
-        start_t = torch.tensor(starts, device=device)
-        positions = start_t[:, None] + torch.arange(query, device=device)[None, :]  # [count, query]
-        end = int(positions.max()) + 1
-        mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]  # [count, query, end]
-        rows = slice(first, first + count)
-        start: int | torch.Tensor = starts[0] if len(set(starts)) == 1 else start_t
-        hidden = self._forward(input_ids, positions, mask, kv.view(rows, start))
-        last = torch.tensor([n - s - 1 for n, s in zip(lengths, starts, strict=True)], device=device)
-        logits = self._lm_head(hidden[torch.arange(count, device=device), last])
+        entries = [entry for entry, _ in cached]
+        logits = self._lm_head(self._compute_rows(first, [seq.prompt_ids for seq in admitted], starts, entries))
         for i, n in enumerate(lengths):
             kv.mask[first + i, :n] = True
         kv.num_rows += count
@@ -355,6 +378,48 @@ class LocalEngine:
         self.stats.prefill_tokens += sum(lengths) - sum(starts)
         self.stats.cached_tokens += sum(starts)
         self.stats.generated_tokens += count
+
+    def _recompute(self) -> None:
+        """After a weight update: compute every running sequence again from all its tokens (the
+        last sampled one too, whose keys and values were not computed yet) on the new weights,
+        into fresh rows, and sample each one's next token at its last position, as a request
+        resumed on new weights is. Rows are filled in groups of at most ``max_prefill_tokens``
+        (padded); a sequence longer than that alone goes in chunks of it."""
+        kv, budget = self._kv, self.config.max_prefill_tokens
+        resumed = sorted(self._running, key=lambda seq: seq.length)  # like lengths together: little padding
+        tokens = [seq.prompt_ids + seq.output_ids for seq in resumed]  # seq.length + 1 each
+        groups: list[list[int]] = []  # the rows of each forward pass
+        for row, ids in enumerate(tokens):
+            if groups and len(ids) * (len(groups[-1]) + 1) <= budget:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+        kv.clear()  # every row is written again, from column 0
+        hidden: list[torch.Tensor] = []
+        for rows in groups:
+            group = [tokens[row] for row in rows]
+            longest = len(group[-1])
+            chunk = budget if len(rows) == 1 else longest
+            for start in range(0, longest, chunk):  # the last chunk's hidden states are kept
+                last = self._compute_rows(rows[0], [ids[: start + chunk] for ids in group], [start] * len(rows))
+            hidden.append(last)
+            kv.width = max(kv.width, longest)
+        logits = self._lm_head(torch.cat(hidden))
+        sampled, logprobs = sample_tokens(
+            logits, [s.sampling for s in resumed], self._generator, [s.generator for s in resumed]
+        )
+        self._running, self._shared_length = [], None
+        for row, (seq, ids, token, logprob) in enumerate(
+            zip(resumed, tokens, sampled.tolist(), logprobs.tolist(), strict=True)
+        ):
+            kv.mask[row, : len(ids)] = True
+            seq.row, seq.length, seq.stale_kv = row, len(ids), False
+            self._running.append(seq)
+            seq.emit(token, logprob, self.weight_version, self.max_model_len)
+        kv.num_rows = len(resumed)
+        self.stats.resumed_sequences += len(resumed)
+        self.stats.recomputed_tokens += sum(map(len, tokens))
+        self.stats.generated_tokens += len(resumed)
 
     def _decode(self) -> None:
         kv, running, device = self._kv, self._running, self.device
@@ -390,7 +455,7 @@ class LocalEngine:
         if done:
             self._shared_length = None
         for seq in done:
-            if self.config.prefix_cache_mb > 0:  # keep its keys and values for the next turn
+            if self.config.prefix_cache_mb > 0 and not seq.stale_kv:  # keep its keys and values for the next turn
                 tokens = (seq.prompt_ids + seq.output_ids)[: seq.length]
                 self._prefix_cache.insert(tokens, *self._kv.row_kv(seq.row, seq.length))
             moved = self._kv.remove_row(seq.row)

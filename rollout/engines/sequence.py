@@ -26,6 +26,7 @@ class Sequence:
     finish: str | None = None
     generator: torch.Generator | None = None  # set when the request has its own sampling seed
     progress: asyncio.Queue[int | None] | None = None  # streamed requests: token counts after each step
+    stale_kv: bool = False  # its keys and values came (partly) from weights older than the engine's
 
     def emit(self, token: int, logprob: float, weight_version: int, max_len: int) -> None:
         """Append one sampled token; set ``finish`` when it was a stop token or the budget is spent."""
@@ -50,3 +51,5 @@ class EngineStats:
     busy_s: float = 0.0
     peak_batch: int = 0
     shared_prefix_steps: int = 0  # decode steps that read a prompt prefix shared by every row once
+    resumed_sequences: int = 0  # running sequences computed again on new weights after an update
+    recomputed_tokens: int = 0  # the tokens of those sequences (prompt and output so far)
