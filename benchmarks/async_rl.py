@@ -66,6 +66,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -220,13 +221,40 @@ def observed_elapsed(lines: list[dict[str, Any]], arrivals: dict[int, float],
     return [arrivals[int(m["step"])] - origin for m in lines]
 
 
+CPU_PHASES = ("time/rollout_cpu_s", "time/wait_cpu_s", "time/update_cpu_s", "time/sync_cpu_s")
+"""Process CPU seconds of a step's phases (every thread: the engine's, the update's); they
+follow one another in the trainer, so their sum is the step's CPU."""
+
+
+def step_cpu(line: dict[str, Any]) -> float | None:
+    values = [v for key in CPU_PHASES if (v := _number(line.get(key))) is not None]
+    return sum(values) if values else None
+
+
+def cpu_figures(lines: list[dict[str, Any]], walls: list[float] | None, cores: int) -> dict[str, float | None]:
+    """The run's CPU use: ``cpu_utilisation``, process CPU seconds over wall x cores; and
+    ``overlap_bound_s``, the least wall an ideal overlap of the same work could take on
+    ``cores`` cores: per step, the larger of the update's wall alone and all the step's CPU
+    spread over every core (meaningful for a synchronous run, whose phases are measured alone)."""
+    cpus = [step_cpu(line) for line in lines]
+    updates = _column(lines, "time/update_s")
+    if walls is None or not lines or any(c is None for c in cpus):
+        return {"cpu_utilisation": None, "overlap_bound_s": None}
+    used = sum(cpus) / (sum(walls) * cores) if sum(walls) > 0 else None  # type: ignore[arg-type]
+    bound = None
+    if updates is not None:
+        bound = sum(max(u, c / cores) for u, c in zip(updates, cpus, strict=True))  # type: ignore[operator]
+    return {"cpu_utilisation": used, "overlap_bound_s": bound}
+
+
 def binomial_stderr(accuracy: float | None, prompts: int) -> float | None:
     if accuracy is None or prompts < 1:
         return None
     return math.sqrt(accuracy * (1 - accuracy) / prompts)
 
 
-def summarize(lines: list[dict[str, Any]], mode: str, curve: list[dict[str, Any]], eval_prompts: int) -> dict[str, Any]:
+def summarize(lines: list[dict[str, Any]], mode: str, curve: list[dict[str, Any]], eval_prompts: int,
+              cores: int = 1) -> dict[str, Any]:  # fmt: skip
     """A run's figures: the required keys (``time_to_sync_final_accuracy_s`` left None: it needs
     the sync run, ``add_time_to_sync_final``) and extras."""
     elapsed, source = elapsed_times(lines, mode)
@@ -248,6 +276,7 @@ def summarize(lines: list[dict[str, Any]], mode: str, curve: list[dict[str, Any]
         "trainer_idle_fraction": trainer_idle,
         "wall_per_step_s": wall / steps if wall is not None and steps else None,
         "final_accuracy_stderr": binomial_stderr(final_accuracy, eval_prompts),
+        **cpu_figures(lines, walls, cores),
         "elapsed_source": source,
         "curve": curve,
     }
@@ -273,6 +302,7 @@ def add_time_to_sync_final(results: dict[str, dict[str, Any]]) -> dict[str, floa
     sync_wall = sync.get("wall_s")
     return {
         "async_wall_over_sync_wall": ratio(other.get("wall_s"), sync_wall),
+        "overlap_bound_over_sync_wall": ratio(sync.get("overlap_bound_s"), sync_wall),
         "async_time_to_sync_final_over_sync_wall": ratio(other.get("time_to_sync_final_accuracy_s"), sync_wall),
         "final_accuracy_async_minus_sync": accuracy_diff,
         "final_accuracy_diff_stderr": stderr,
@@ -448,7 +478,7 @@ def run_one(workload: str, mode: str, settings: Settings, out: Path, evaluator: 
     console.print(f"  {len(lines)} steps in {training.process_wall_s:.1f} s (whole process); evaluating checkpoints "
                   f"on {len(evaluator.records)} held-out prompts", highlight=False)  # fmt: skip
     curve = checkpoint_curve(run_dir, lines, mode, config.model, evaluator, console) if lines else []
-    result = summarize(lines, mode, curve, len(evaluator.records))
+    result = summarize(lines, mode, curve, len(evaluator.records), len(os.sched_getaffinity(0)))
     observed = observed_elapsed(lines, training.arrivals, step_walls(lines, elapsed_times(lines, mode)[0]))
     return {**result, "wall_observed_s": observed[-1] if observed else None, "observed_elapsed_s": observed,
             "process_wall_s": training.process_wall_s, "run_dir": str(run_dir), "error": training.error}  # fmt: skip
@@ -462,13 +492,15 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
 
 
 def results_table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> Table:
-    caption = (f"async/sync wall {_fmt(ratios['async_wall_over_sync_wall'], '.2f')}; async reaches sync's final "
-               f"accuracy at {_fmt(ratios['async_time_to_sync_final_over_sync_wall'], '.2f')} of sync's wall; "
+    bound = _fmt(ratios.get("overlap_bound_over_sync_wall"), ".2f")
+    caption = (f"async/sync wall {_fmt(ratios['async_wall_over_sync_wall'], '.2f')} (an ideal overlap of sync's "
+               f"work on these cores: {bound}); async reaches sync's final accuracy at "
+               f"{_fmt(ratios['async_time_to_sync_final_over_sync_wall'], '.2f')} of sync's wall; "
                f"final accuracy async - sync {_fmt(ratios['final_accuracy_async_minus_sync'], '+.3f')} "
                f"(± {_fmt(ratios['final_accuracy_diff_stderr'], '.3f')} stderr)")  # fmt: skip
     table = Table(title=f"workload {workload}: {WORKLOADS[workload]}", caption=caption)
-    columns = ("mode", "steps", "wall s", "observed s", "s/step", "engine idle", "trainer idle", "stale mean",
-               "stale max", "dropped", "final accuracy", "t to sync final s")  # fmt: skip
+    columns = ("mode", "steps", "wall s", "observed s", "s/step", "CPU used", "engine idle", "trainer idle",
+               "stale mean", "stale max", "dropped", "final accuracy", "t to sync final s")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for mode, r in results.items():
@@ -478,7 +510,8 @@ def results_table(workload: str, results: dict[str, dict[str, Any]], ratios: dic
         table.add_row(
             mode + (" (failed)" if r.get("error") else ""), str(r["steps"]), _fmt(r["wall_s"], ".1f"),
             _fmt(r.get("wall_observed_s"), ".1f"), _fmt(r.get("wall_per_step_s"), ".2f"),
-            _fmt(r["engine_idle_fraction"], ".0%"), _fmt(r["trainer_idle_fraction"], ".0%"),
+            _fmt(r.get("cpu_utilisation"), ".0%"), _fmt(r["engine_idle_fraction"], ".0%"),
+            _fmt(r["trainer_idle_fraction"], ".0%"),
             _fmt(r["staleness_mean"], ".2f"), _fmt(r["staleness_max"], "d"), _fmt(r["dropped"], "d"), accuracy,
             _fmt(r["time_to_sync_final_accuracy_s"], ".1f"),
         )  # fmt: skip

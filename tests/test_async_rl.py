@@ -266,3 +266,7 @@ def test_a_trajectory_spanning_an_update_is_weighted_by_the_policy_that_sampled_
     expected = (under_new[stale] - under_old[stale]).exp()
     assert torch.allclose(weights[stale], expected, rtol=1e-3)
     assert not torch.allclose(expected, torch.ones_like(expected), atol=1e-2)  # the update moved them
+    # and the loss takes exactly these weights: with advantage 1 and one pass, each token's
+    # surrogate is -weight (AReaL's decoupled objective, proximal policy = the trainer's)
+    out = trainer.micro_batch_loss(batch, None, normaliser=float(mask.sum()))
+    assert out["pg_loss"] == pytest.approx(-float(weights[mask].mean()), rel=1e-4)

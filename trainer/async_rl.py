@@ -8,10 +8,11 @@ takes them as they finish.
 - ``GroupProducer``: the background task. It starts a group (``samples_per_prompt`` requests of
   one prompt) whenever fewer than ``(max_staleness + 1) x share`` groups are in the system
   (started, and not yet trained or discarded). A slot frees only when its group is filtered
-  out, dropped, or trained *and* the new weights are on the engine, so a group started at
-  policy version v is, finishing in order, trained by step v + max_staleness. A group that
-  finishes out of order so late that its oldest token is too stale is dropped and its prompt
-  regenerated (``Group.staleness`` against the version being trained).
+  out (at once, as it finishes: a group without signal never waits for the trainer), dropped,
+  or trained *and* the new weights are on the engine, so a group started at policy version v
+  is, finishing in order, trained by step v + max_staleness. A group that finishes out of order
+  so late that its oldest token is too stale is dropped and its prompt regenerated
+  (``Group.staleness`` against the version being trained).
 - ``MeteredEngine``: the engine as the rollout sees it, counting the seconds when no
   generation is in flight (the engine idle fraction of the metrics).
 
@@ -28,6 +29,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,13 +165,17 @@ class GroupProducer:
         capacity: int,
         seed: int,
         version: int = 0,
+        discard: Callable[[Group], bool] | None = None,
     ):
         self.engine, self.chat, self.tools, self.reward_fn = engine, chat, tools, reward_fn
         self.rollout, self.ledger, self.samples_per_prompt = rollout, ledger, samples_per_prompt
         self.capacity, self.seed, self.version = capacity, seed, version
+        self.discard = discard
         self.done: asyncio.Queue[Group] = asyncio.Queue()
+        self.discarded: list[Group] = []  # finished without signal: their slots reopened at once
         self.in_system = 0  # groups started and not yet released
         self.started = 0
+        self.arrived = asyncio.Event()  # a group finished (queued or discarded)
         self._slot = asyncio.Condition()
         self._semaphore = asyncio.Semaphore(rollout.max_concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -187,19 +193,24 @@ class GroupProducer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def next_group(self) -> Group:
-        """The next finished group (re-raises a failure of the producer itself)."""
+    async def next_finished(self) -> tuple[Group, bool]:
+        """The next finished group and whether it was discarded (no signal), discarded ones first;
+        re-raises a failure of the producer itself."""
         while True:
+            if self.discarded:
+                return self.discarded.pop(0), True
+            if not self.done.empty():
+                return self.done.get_nowait(), False
             if self.error is not None:
                 raise RuntimeError(f"the rollout producer failed: {self.error!r}") from self.error
-            getter = asyncio.ensure_future(self.done.get())
-            waiter = self._task if self._task is not None else getter
-            finished, _ = await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in finished:
-                return getter.result()
-            getter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await getter
+            self.arrived.clear()
+            arrived = asyncio.ensure_future(self.arrived.wait())
+            waiter = self._task if self._task is not None else arrived
+            await asyncio.wait({arrived, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not arrived.done():
+                arrived.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await arrived
 
     async def release(self, count: int = 1) -> None:
         """``count`` groups left the system (trained with the weights synced, filtered, dropped)."""
@@ -239,7 +250,13 @@ class GroupProducer:
                 await run_request(request, self.engine, self.chat, self.tools, config, self.reward_fn)
 
         await asyncio.gather(*(one(r) for r in group.requests))
+        if self.discard is not None and self.discard(group):  # no signal: nothing to train, free the slot now
+            self.discarded.append(group)
+            await self.release()
+            self.arrived.set()
+            return
         self.done.put_nowait(group)
+        self.arrived.set()
 
     def queued(self) -> int:
         return self.done.qsize()

@@ -40,7 +40,7 @@ from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
 from rollout.stats import RolloutCounts
 from rollout.tokens import load_tokenizer
-from trainer.async_rl import GroupProducer, MeteredEngine, PromptLedger
+from trainer.async_rl import Group, GroupProducer, MeteredEngine, PromptLedger
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
 from trainer.config import GRPOConfig
@@ -446,9 +446,13 @@ class GRPOTrainer:
         if streams is None and self.state.data_position:  # a synchronous run's checkpoint
             ledger.mark = ledger.cursor = max(0, -(-(self.state.data_position - rank) // world))
         self.ledger = ledger
+
+        def no_signal(group: Group) -> bool:  # filtered out, or every request failed
+            return not select_groups(group.requests, config.filter_groups, 1)[0]
+
         producer = GroupProducer(
             self.metered, self.chat, self.tools, config.rollout, self.reward_fn, ledger, config.samples_per_prompt,
-            capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step,
+            capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step, discard=no_signal,
         )  # fmt: skip
         async with producer:
             while self.state.step < config.steps:
@@ -468,8 +472,8 @@ class GRPOTrainer:
         stats: dict[str, float] = {}
         with timer("wait"):
             while trained < share and draws < cap:
-                group = await producer.next_group()
-                if group.staleness(version) > config.max_staleness:  # finished too late: regenerate it
+                group, discarded = await producer.next_finished()
+                if not discarded and group.staleness(version) > config.max_staleness:  # too late: regenerate
                     ledger.regenerate(group.position, group.attempt)
                     dropped += 1
                     await producer.release()
@@ -483,7 +487,7 @@ class GRPOTrainer:
                 if usable:
                     kept += usable
                     trained += 1
-                else:
+                elif not discarded:  # (a producer without ``discard``) its slot reopens now
                     await producer.release()
         stats.update(prompts_drawn=draws, draw_cap_hit=float(trained < share), dropped=dropped,
                      queued_groups=producer.queued())  # fmt: skip
@@ -504,6 +508,8 @@ class GRPOTrainer:
         stats = sum_across_processes(self.accelerator, stats)
         update = self.update(self.samples_of(kept))
         rollout = self.rollout_metrics(taken, policy_version=version)
+        trained = self.rollout_metrics(kept, policy_version=version)  # staleness: of the trained tokens
+        rollout.update(staleness_mean=trained["staleness_mean"], staleness_max=trained["staleness_max"])
         return rollout, stats, update
 
     def log(self, metrics: dict[str, Any]) -> None:
