@@ -98,6 +98,18 @@ class CountingTool(BaseTool):
         await super().release(instance_id, **release_kwargs)
 
 
+@pytest.fixture
+def tool() -> CountingTool:
+    """A fresh counting tool per test."""
+    return CountingTool()
+
+
+@pytest.fixture
+def chat(tokenizer, tool) -> ChatTokenizer:
+    """The real chat tokenizer with ``tool``'s schema."""
+    return ChatTokenizer(tokenizer, [tool.schema])
+
+
 def call(name: str, **arguments: Any) -> str:
     """A Hermes tool-call block as a model would write it."""
     import json

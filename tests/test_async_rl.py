@@ -15,6 +15,8 @@ from rollout.engines.local import LocalEngine
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import request_from_record
+from tests.test_grpo import config as grpo_config
+from tests.test_grpo import digit_share
 from trainer.async_rl import Group, MeteredEngine, PromptLedger
 from trainer.batch import collate, trajectory_sample
 from trainer.config import GRPOConfig
@@ -26,21 +28,11 @@ def records(count: int) -> list[Record]:
     return [Record(prompt=[{"role": "user", "content": f"q{i}"}], ground_truth=str(i)) for i in range(count)]
 
 
-def digit_share(request: AsyncRolloutRequest) -> float:
-    """A reward with spread even for a random model: the share of digits it wrote."""
-    text = "".join(m["content"] for m in request.messages if m["role"] == "assistant")
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-
-
 def config(tmp_path, model_dir, **overrides) -> GRPOConfig:
-    values = dict(
-        model=str(model_dir), out=str(tmp_path / "run"), steps=3, prompts_per_step=2, samples_per_prompt=4,
-        rollout=RolloutConfig(max_turns=2, max_new_tokens=12, max_model_len=768, max_concurrency=256),
-        micro_batch_size=4, lr=1e-3, seed=3, checkpoint_every=0, filter_groups=False, progress=False,
-        async_rl=True, max_staleness=1,
-    )  # fmt: skip
-    values.update(overrides)
-    return GRPOConfig(**values)
+    """test_grpo's small run, asynchronous, checkpoints only at the end."""
+    return grpo_config(
+        tmp_path, model_dir, **{"async_rl": True, "max_staleness": 1, "checkpoint_every": 0, **overrides}
+    )
 
 
 # ----- the ledger --------------------------------------------------------------------------------

@@ -7,11 +7,10 @@ import math
 
 import orjson
 import pytest
-from conftest import CountingTool, ScriptedEngine
+from conftest import ScriptedEngine
 
 from rollout.loop import RolloutConfig, run_request
 from rollout.request import AsyncRolloutRequest, FinishReason, validate_trajectory
-from rollout.tokens import ChatTokenizer
 from trainer.groups import exclusion, group_samples, select_groups, usable
 
 
@@ -133,16 +132,6 @@ def test_a_group_with_no_usable_member_is_neither_trained_nor_counted_as_filtere
 
 
 # ----- the rollout loop: a raised reward is recorded --------------------------------------------------
-
-
-@pytest.fixture
-def tool():
-    return CountingTool()
-
-
-@pytest.fixture
-def chat(tokenizer, tool):
-    return ChatTokenizer(tokenizer, [tool.schema])
 
 
 async def run(chat, tool, reward_fn, turns=("hello",)) -> AsyncRolloutRequest:

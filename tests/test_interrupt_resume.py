@@ -33,6 +33,20 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def start_train(tmp_path: Path, **settings) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``rallyrl train --config`` in its own session: 4 prompts x 4 samples a step, a checkpoint
+    every step, plus ``settings``; returns the process, its config file and its run directory."""
+    run, config = tmp_path / "run", tmp_path / "grpo.yaml"
+    values = {"prompts_per_step": 4, "samples_per_prompt": 4, "checkpoint_every": 1, "out": str(run),
+              "progress": False, **settings}  # fmt: skip
+    config.write_text(yaml.safe_dump(values))
+    process = subprocess.Popen(
+        [*rallyrl_command(), "train", "--config", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    return process, config, run
+
+
 def test_ctrl_c_keeps_finished_trajectories_and_resume_runs_the_rest(tmp_path):
     out = tmp_path / "rollouts.jsonl"
     # 8 in flight: trajectories finish a few at a time, so the interrupt surely lands mid-run
@@ -89,15 +103,7 @@ def test_a_second_rollout_to_the_same_file_is_refused(tmp_path):
 
 
 def test_sigkill_during_train_then_resume_continues_from_the_last_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    config = tmp_path / "grpo.yaml"
-    settings = {"steps": 5, "prompts_per_step": 4, "samples_per_prompt": 4, "checkpoint_every": 1, "out": str(run),
-                "progress": False}  # fmt: skip
-    config.write_text(yaml.safe_dump(settings))
-    process = subprocess.Popen(
-        [*rallyrl_command(), "train", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    process, config, run = start_train(tmp_path, steps=5)
     checkpoints = run / "checkpoints"
     wait_for(lambda: (checkpoints / "step-000002").exists(), 240, "the second checkpoint")
     os.killpg(process.pid, signal.SIGKILL)
@@ -116,15 +122,7 @@ def test_sigkill_during_train_then_resume_continues_from_the_last_checkpoint(tmp
 
 
 def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(tmp_path):
-    run = tmp_path / "run"
-    config = tmp_path / "grpo.yaml"
-    settings = {"steps": 5, "prompts_per_step": 4, "samples_per_prompt": 4, "checkpoint_every": 1, "out": str(run),
-                "progress": False, "async_rl": True, "max_staleness": 1}  # fmt: skip
-    config.write_text(yaml.safe_dump(settings))
-    process = subprocess.Popen(
-        [*rallyrl_command(), "train", "--config", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    process, config, run = start_train(tmp_path, steps=5, async_rl=True, max_staleness=1)
     checkpoints = run / "checkpoints"
     wait_for(lambda: (checkpoints / "step-000002").exists(), 240, "the second checkpoint")
     os.killpg(process.pid, signal.SIGKILL)  # groups in flight and queued die with it
@@ -143,3 +141,15 @@ def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(t
     assert len(consumed) == len(set(consumed)) == sum(m["rollout/prompts_drawn"] for m in metrics)
     assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
     assert metrics[-1]["time/elapsed_s"] > metrics[killed_at - 1]["time/elapsed_s"]
+
+
+def test_ctrl_c_during_async_train_stops_at_once_and_keeps_the_checkpoints(tmp_path):
+    process, _, run = start_train(tmp_path, steps=50, async_rl=True)
+    wait_for(lambda: (run / "checkpoints" / "step-000001").exists(), 240, "the first checkpoint")
+    interrupted = time.monotonic()
+    process.send_signal(signal.SIGINT)  # mid-rollout, mid-update, whatever is going on
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr[-2000:]
+    assert time.monotonic() - interrupted < 30  # the update under way finishes; nothing waits for rollouts
+    assert "Traceback" not in stderr
+    assert not list((run / "checkpoints").glob("*.partial"))  # (resuming it: the SIGKILL test above)

@@ -9,19 +9,8 @@ from conftest import CountingTool, ScriptedEngine, call
 
 from rollout.loop import RolloutConfig, run_request, truncate_middle
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
-from rollout.tokens import ChatTokenizer
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture
-def tool():
-    return CountingTool()
-
-
-@pytest.fixture
-def chat(tokenizer, tool):
-    return ChatTokenizer(tokenizer, [tool.schema])
 
 
 def new_request(rid: str = "r0", ground_truth: str | None = None) -> AsyncRolloutRequest:

@@ -6,7 +6,7 @@ import asyncio
 import math
 
 import pytest
-from conftest import CountingTool, ScriptedEngine, call
+from conftest import ScriptedEngine, call
 
 from data.reward_fns import (
     REWARDS,
@@ -22,7 +22,6 @@ from data.schema import Record
 from rollout.loop import RolloutConfig, run_request
 from rollout.request import AsyncRolloutRequest, ToolCallRecord
 from rollout.runner import RolloutRunner
-from rollout.tokens import ChatTokenizer
 
 
 def finished(answer: str, ground_truth: str | None = "72", data_source: str = "openai/gsm8k", calls=()):
@@ -186,16 +185,6 @@ def test_a_registered_reward_can_be_named_in_a_spec():
 
 
 # ----- through the rollout loop ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tool():
-    return CountingTool()
-
-
-@pytest.fixture
-def chat(tokenizer, tool):
-    return ChatTokenizer(tokenizer, [tool.schema])
 
 
 async def test_a_rollout_scores_each_record_with_its_data_sources_reward(chat, tool):

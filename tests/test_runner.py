@@ -6,22 +6,11 @@ import asyncio
 
 import orjson
 import pytest
-from conftest import CountingTool, ScriptedEngine, call, random_delay
+from conftest import ScriptedEngine, call, random_delay
 
 from data.schema import Record
 from rollout.request import validate_trajectory
 from rollout.runner import RolloutRunner
-from rollout.tokens import ChatTokenizer
-
-
-@pytest.fixture
-def tool():
-    return CountingTool()
-
-
-@pytest.fixture
-def chat(tokenizer, tool):
-    return ChatTokenizer(tokenizer, [tool.schema])
 
 
 def records(count: int) -> list[Record]:

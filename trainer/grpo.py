@@ -469,7 +469,7 @@ class GRPOTrainer:
         taken: list[AsyncRolloutRequest] = []
         kept: list[AsyncRolloutRequest] = []
         trained = draws = dropped = 0
-        stats: dict[str, float] = {}
+        stats = dict(select_groups([], config.filter_groups, 1)[1])  # every key, so that processes sum alike
         with timer("wait"):
             while trained < share and draws < cap:
                 group, discarded = await producer.next_finished()

@@ -76,6 +76,7 @@ async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglan
     assert max_logprob_gap(model, greedy.requests) < 1e-4
     async with LocalEngine.from_pretrained(EMBEDDED_MODEL) as local:  # greedy: the same tokens as ours
         ours = await calc_runner(local, config=GREEDY).run(make_task("calc", 12, seed=22), 1, tmp_path / "o.jsonl")
+
     def by_prompt(result) -> dict[str, list[int]]:  # request ids are "<run>-<prompt>-<sample>"
         return {r.request_id.split("-", 1)[1]: r.response_ids for r in result.requests}
 
@@ -235,3 +236,18 @@ def test_in_process_sglang_engine_rolls_out_and_trains(tmp_path):
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
     assert (run / "final" / "config.json").is_file()
+
+
+def test_async_training_on_the_in_process_sglang_engine_resumes_requests_across_updates(tmp_path):
+    config = tmp_path / "sglang.yaml"
+    config.write_text(IN_PROCESS)
+    run = tmp_path / "run"
+    trained = run_in_sglang_venv("train", "--config", str(config), "--steps", "3", "--prompts-per-step", "4",
+                                 "-n", "4", "--async", "--max-staleness", "1", "--out", str(run), "--no-progress",
+                                 cwd=tmp_path)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
+    # requests aborted by the updates were resumed on the new weights, none failed
+    assert all(m["rollout/error_rate"] == 0 and m["rollout/generated_tokens"] > 0 for m in metrics)

@@ -99,6 +99,19 @@ def test_rollout_on_vllm_writes_valid_trajectories_whose_logprobs_are_the_models
         assert set(record["weight_versions"]) <= {0, None}
 
 
+def test_async_train_on_vllm_keeps_requests_going_through_the_weight_syncs(own_vllm_url, tmp_path):
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--engine-url", own_vllm_url, "--steps", "3", "--prompts-per-step", "4", "-n", "4",
+        "--async", "--max-staleness", "1", "--out", str(out), "--no-progress", timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["rollout/staleness_max"] <= 1 for s in steps)
+    assert all(s["rollout/error_rate"] == 0 and s["rollout/generated_tokens"] > 0 for s in steps)
+
+
 def test_train_on_vllm_syncs_weights_every_step_and_the_server_serves_the_trained_policy(
     own_vllm_url, tmp_path, embedded_model
 ):
