@@ -12,12 +12,13 @@ from data.schema import Record
 from rollout.config import RolloutConfig
 from rollout.engines.base import Generation, SamplingParams
 from rollout.engines.local import LocalEngine
-from rollout.loop import run_request
+from rollout.loop import default_reward, run_request
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import request_from_record
+from tests.conftest import ScriptedEngine
 from tests.test_grpo import config as grpo_config
 from tests.test_grpo import digit_share
-from trainer.async_rl import Group, MeteredEngine, PromptLedger
+from trainer.async_rl import Group, GroupProducer, MeteredEngine, PromptLedger
 from trainer.batch import collate, trajectory_sample
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer
@@ -94,6 +95,18 @@ async def test_metered_engine_counts_idle_time_between_generations():
     assert 0.09 <= idle < 0.19  # the 0.1 s before; the three overlapping calls count once as busy
     await asyncio.sleep(0.1)
     assert engine.idle_seconds() >= idle + 0.09
+
+
+async def test_a_failure_inside_the_producer_reaches_the_trainer_instead_of_hanging_it(chat):
+    def broken(group: Group) -> bool:
+        raise KeyError("a bug in the filter")
+
+    engine = MeteredEngine(ScriptedEngine(chat, lambda turn, prompt, rid: "hello"))
+    producer = GroupProducer(engine, chat, {}, RolloutConfig(max_turns=1), default_reward,
+                             PromptLedger(records(4), 0, 1), 2, capacity=2, seed=0, discard=broken)  # fmt: skip
+    async with producer:
+        with pytest.raises(RuntimeError, match="the rollout producer failed"):
+            await asyncio.wait_for(producer.next_finished(), 30)
 
 
 # ----- the trainer, for real on the tiny model -------------------------------------------------------------

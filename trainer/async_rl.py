@@ -203,6 +203,8 @@ class GroupProducer:
                 return self.done.get_nowait(), False
             if self.error is not None:
                 raise RuntimeError(f"the rollout producer failed: {self.error!r}") from self.error
+            if self._task is not None and self._task.done():  # cancelled: nothing more will come
+                raise RuntimeError("the rollout producer has stopped")
             self.arrived.clear()
             arrived = asyncio.ensure_future(self.arrived.wait())
             waiter = self._task if self._task is not None else arrived
@@ -249,14 +251,19 @@ class GroupProducer:
             async with self._semaphore:
                 await run_request(request, self.engine, self.chat, self.tools, config, self.reward_fn)
 
-        await asyncio.gather(*(one(r) for r in group.requests))
-        if self.discard is not None and self.discard(group):  # no signal: nothing to train, free the slot now
-            self.discarded.append(group)
-            await self.release()
+        try:
+            await asyncio.gather(*(one(r) for r in group.requests))
+            if self.discard is not None and self.discard(group):  # no signal: nothing to train, free the slot now
+                self.discarded.append(group)
+                await self.release()
+            else:
+                self.done.put_nowait(group)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug (requests never raise): stop the trainer rather than hang it
+            self.error = exc
+        finally:
             self.arrived.set()
-            return
-        self.done.put_nowait(group)
-        self.arrived.set()
 
     def queued(self) -> int:
         return self.done.qsize()
