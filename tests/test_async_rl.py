@@ -162,11 +162,11 @@ class HoldsOneGroup:
 
 
 def test_a_group_that_finishes_too_late_is_regenerated_not_trained(tmp_path, tiny_model_dir):
-    trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, steps=4, max_staleness=1), reward_fn=digit_share)
+    trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, steps=5, max_staleness=1), reward_fn=digit_share)
 
     async def main():
         async with trainer.open_engine() as local:
-            trainer.engine = HoldsOneGroup(local, until=3)
+            trainer.engine = HoldsOneGroup(local, until=2)  # two updates later
             return await trainer.train(), trainer.engine
 
     history, engine = asyncio.run(main())
