@@ -72,6 +72,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +129,6 @@ def _column(lines: list[dict[str, Any]], key: str) -> list[float] | None:
     return None if not lines or any(v is None for v in values) else values  # type: ignore[return-value]
 
 
-def _cumsum(values: list[float]) -> list[float]:
-    total, out = 0.0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out
-
-
 def elapsed_times(lines: list[dict[str, Any]], mode: str) -> tuple[list[float] | None, str]:
     """Wall seconds since training began at the end of each step, and where they came from:
     ``time/elapsed_s``; else the sum of ``time/step_wall_s``; else, in sync mode only, the sum
@@ -143,11 +136,11 @@ def elapsed_times(lines: list[dict[str, Any]], mode: str) -> tuple[list[float] |
     if (elapsed := _column(lines, "time/elapsed_s")) is not None:
         return elapsed, "time/elapsed_s"
     if (walls := _column(lines, "time/step_wall_s")) is not None:
-        return _cumsum(walls), "time/step_wall_s"
+        return list(accumulate(walls)), "time/step_wall_s"
     rollout, update = _column(lines, "time/rollout_s"), _column(lines, "time/update_s")
     if mode == "sync" and rollout is not None and update is not None:
         sync = _column(lines, "time/sync_s") or [0.0] * len(lines)
-        return _cumsum([r + u + s for r, u, s in zip(rollout, update, sync, strict=True)]), "phase sum"
+        return list(accumulate(r + u + s for r, u, s in zip(rollout, update, sync, strict=True))), "phase sum"
     return None, "missing"
 
 

@@ -76,10 +76,10 @@ def test_group_staleness_is_measured_on_its_oldest_token():
     request = AsyncRolloutRequest("r", 0, 0, [])
     request.append_generated([5, 6], [-1.0, -1.0], [2, 3])
     request.append_context([7])
-    group = Group(position=0, record=records(1)[0], attempt=0, started_version=2, requests=[request])
+    group = Group(position=0, record=records(1)[0], attempt=0, requests=[request])
     assert group.oldest_version() == 2
     assert group.staleness(4) == 2
-    assert Group(0, records(1)[0], 0, 0).staleness(4) == 0  # nothing generated yet
+    assert Group(0, records(1)[0], 0).staleness(4) == 0  # nothing generated yet
 
 
 async def test_metered_engine_counts_idle_time_between_generations():

@@ -84,7 +84,6 @@ class Group:
     record: Record
     attempt: int
     """0, or how many times this prompt was regenerated (it samples with another seed each time)."""
-    started_version: int
     requests: list[AsyncRolloutRequest] = field(default_factory=list)
 
     def oldest_version(self) -> int | None:
@@ -174,7 +173,6 @@ class GroupProducer:
         self.done: asyncio.Queue[Group] = asyncio.Queue()
         self.discarded: list[Group] = []  # finished without signal: their slots reopened at once
         self.in_system = 0  # groups started and not yet released
-        self.started = 0
         self.arrived = asyncio.Event()  # a group finished (queued or discarded)
         self._slot = asyncio.Condition()
         self._semaphore = asyncio.Semaphore(rollout.max_concurrency)
@@ -227,11 +225,10 @@ class GroupProducer:
                     await self._slot.wait_for(lambda: self.in_system < self.capacity)
                     self.in_system += 1
                 ordinal, attempt = self.ledger.next()
-                group = Group(self.ledger.position(ordinal), self.ledger.record(ordinal), attempt, self.version)
+                group = Group(self.ledger.position(ordinal), self.ledger.record(ordinal), attempt)
                 task = asyncio.create_task(self._roll_out(group))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-                self.started += 1
                 await asyncio.sleep(0)  # let it reach the engine before the next one renders
         except asyncio.CancelledError:
             raise
