@@ -99,6 +99,7 @@ def rollout(
     samples_per_prompt: int = typer.Option(None, "-n", "--samples-per-prompt", "--samples", help="Samples per prompt."),
     model: Path = typer.Option(None, help="Model directory (default: embedded); with --engine-url, its tokenizer."),
     tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
+    interactions: Path = typer.Option(None, help="Interaction config (verl's interaction YAML): the user's turns."),
     out: Path = typer.Option(None, help="Output JSONL, one trajectory per line (default: rollouts.jsonl)."),
     max_concurrency: int = typer.Option(None, help="Requests in flight at once."),
     max_turns: int = typer.Option(None, help="Most assistant turns per request."),
@@ -126,7 +127,8 @@ def rollout(
     the same command with --resume runs the rest."""
     flags = {
         "task": task, "data": data, "num_prompts": num_prompts, "samples_per_prompt": samples_per_prompt,
-        "model": model, "tools": tools, "out": out, "seed": seed, "resume": resume, "reward": reward,
+        "model": model, "tools": tools, "interactions": interactions, "out": out, "seed": seed, "resume": resume,
+        "reward": reward,
         "threads": threads, "progress": progress, "rollout.max_concurrency": max_concurrency,
         "rollout.max_turns": max_turns, "rollout.max_new_tokens": max_new_tokens,
         "rollout.max_response_tokens": max_response_tokens, "rollout.max_model_len": max_model_len,
@@ -270,6 +272,7 @@ def evaluate(
         None, "-n", "--samples-per-prompt", "--samples", help="Samples per prompt for pass@k (default 4)."
     ),
     tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
+    interactions: Path = typer.Option(None, help="Interaction config (verl's interaction YAML): the user's turns."),
     max_turns: int = typer.Option(None, help="Most assistant turns per request (default 3)."),
     max_new_tokens: int = typer.Option(None, help="Most tokens per assistant turn (default 96)."),
     engine_url: list[str] = typer.Option(None, help="Evaluate a model served here (SGLang, vLLM or `rallyrl serve`)."),
@@ -282,7 +285,8 @@ def evaluate(
     """Greedy accuracy and unbiased pass@k of a model on a task or dataset, overall and per data_source."""
     flags = {
         "model": model, "task": task, "data": data, "num_prompts": num_prompts, "seed": seed,
-        "samples_per_prompt": samples_per_prompt, "tools": tools, "rollout.max_turns": max_turns,
+        "samples_per_prompt": samples_per_prompt, "tools": tools, "interactions": interactions,
+        "rollout.max_turns": max_turns,
         "rollout.max_new_tokens": max_new_tokens, "engine.urls": engine_url or None, "json": json_out,
         "engine.server": engine_server, "report": report_md, "threads": threads, "progress": progress,
     }  # fmt: skip

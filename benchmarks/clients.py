@@ -119,7 +119,7 @@ def rollout_config(scenario: Scenario) -> RolloutConfig:
 
 
 def _segments(request: AsyncRolloutRequest, t0: float) -> list[tuple[str, float, float]]:
-    names = {RequestState.RUNNING: "running", RequestState.TOOL_CALLING: "tool"}
+    names = {RequestState.RUNNING: "running", RequestState.TOOL_CALLING: "tool", RequestState.INTERACTING: "user"}
     out = []
     for event, following in zip(request.trace, request.trace[1:], strict=False):
         if event.state in names:

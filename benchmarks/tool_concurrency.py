@@ -45,7 +45,7 @@ from benchmarks.sim_server import raise_fd_limit
 from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
 from data.files import atomic_write_bytes, atomic_write_with
 
-COLORS = {"running": "#3b76af", "tool": "#ef8636"}
+COLORS = {"running": "#3b76af", "tool": "#ef8636", "user": "#519e3e"}
 
 
 @contextlib.contextmanager
@@ -214,7 +214,7 @@ def rich_table(result: dict[str, Any]) -> Table:
 def plot_timelines(results: list[dict[str, Any]], path: Path) -> None:
     """Requests down, time across, one row of panels per workload: the bound, rallyrl and the
     batch-level baseline, on one time axis; blue while generating (queued at the server
-    included), orange while its tool call runs."""
+    included), orange while its tool call runs, green while an interaction plays the user."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,8 +240,10 @@ def plot_timelines(results: list[dict[str, Any]], path: Path) -> None:
             axis.set_xlabel("time (s)")
             if column == 0:
                 axis.set_ylabel("request")
-    handles = [Line2D([], [], color=c, linewidth=4, label=s) for s, c in (("generating", COLORS["running"]),
-                                                                       ("tool call", COLORS["tool"]))]  # fmt: skip
+    labels = {"running": "generating", "tool": "tool call", "user": "user turn (interaction)"}
+    shown = {st for result in results for name in systems for req in result["timelines"][name] for st, _, _ in req}
+    handles = [Line2D([], [], color=COLORS[s], linewidth=4, label=label) for s, label in labels.items()
+               if s in shown or s != "user"]  # fmt: skip
     fig.legend(handles=handles, loc="upper right")
     fig.tight_layout()
     atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=90))

@@ -124,6 +124,14 @@ def tools_reward(request: AsyncRolloutRequest) -> float:
     return float(sum(request.rewards.tools.values()))
 
 
+@register_reward("interaction")
+def interaction_reward(request: AsyncRolloutRequest) -> float:
+    """The interaction's score of the request (``calculate_score``: for the answer checker, the last
+    answer's correctness less its retry penalty); 0.0 for a request without an interaction."""
+    score = request.rewards.interaction
+    return 0.0 if score is None else float(score)
+
+
 # ----- weighted sums and the choice by data_source ----------------------------------------------------
 
 

@@ -1,4 +1,6 @@
-"""Seeded synthetic tasks. ``calc``: multi-digit arithmetic that calls for the calculator tool.
+"""Seeded synthetic tasks. ``calc``: multi-digit arithmetic that calls for the calculator tool;
+``calc-retry``: the same problems with ``interaction_kwargs`` for the answer checker, which tells
+the model when its answer is wrong and lets it try again (``rollout/interactions.py``).
 
 A problem looks like ``What is 4821 * 377 + 1290?``: 1 to ``max_ops`` operators from ``+ - *``
 between operands of ``min_digits`` to ``max_digits`` digits, with the usual precedence, so the
@@ -162,7 +164,21 @@ def make_calc_sft_records(
     return records
 
 
-TASKS: dict[str, Callable[[int, int], list[Record]]] = {"calc": make_calc_records}
+def make_calc_retry_records(num: int, seed: int = 0) -> list[Record]:
+    """``make_calc_records`` whose records name the answer checker (``interaction_kwargs.name:
+    checker``, with the ground truth): roll them out with an interaction config that defines it
+    (``data/configs/interactions_checker.yaml``). The problems are those of ``calc``."""
+    records = make_calc_records(num, seed)
+    for record in records:
+        record.data_source = "calc-retry"
+        record.extra["interaction_kwargs"] = {"name": "checker", "ground_truth": record.ground_truth}
+    return records
+
+
+TASKS: dict[str, Callable[[int, int], list[Record]]] = {
+    "calc": make_calc_records,
+    "calc-retry": make_calc_retry_records,
+}
 """Synthetic tasks by name: ``TASKS[name](num, seed)`` gives ``num`` records."""
 
 

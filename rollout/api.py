@@ -96,6 +96,22 @@ def setup_tools(tools_path: str | Path | None, tokenizer: Any) -> tuple[dict[str
     return tools, ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
 
 
+def setup_interactions(path: str | Path | None) -> dict[str, Any]:
+    """The interactions of an interaction config (verl's ``interaction:`` list), by name; none without one."""
+    if path is None:
+        return {}
+    from rollout.interactions import load_interactions
+
+    return load_interactions(path)
+
+
+async def enter_interactions(stack: contextlib.AsyncExitStack, interactions: dict[str, Any]) -> None:
+    """Open the interactions that are async context managers (a simulated user's connections) on ``stack``."""
+    for interaction in interactions.values():
+        if hasattr(interaction, "__aenter__") and hasattr(interaction, "__aexit__"):
+            await stack.enter_async_context(interaction)
+
+
 def make_judge(config: JudgeConfig) -> Judge | None:
     """The judge of ``config.url`` (enter it with ``async with``), or None without a URL."""
     if not config.url:
@@ -154,6 +170,7 @@ class RolloutCommand(Protocol):
 
     model: str | None
     tools: str | None
+    interactions: str | None
     reward: str | None
     seed: int
     rollout: RolloutConfig
@@ -169,6 +186,7 @@ class Session:
     chat: ChatTokenizer
     tools: dict[str, BaseTool]
     reward_fn: RewardFn
+    interactions: dict[str, Any]
 
 
 @contextlib.asynccontextmanager
@@ -179,14 +197,16 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
 
     model_dir = resolve_model(config.model)
     tools, chat = setup_tools(config.tools, load_tokenizer(model_dir))
+    interactions = setup_interactions(config.interactions)
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:
         if judge is not None:
             await stack.enter_async_context(judge)
+        await enter_interactions(stack, interactions)
         engine = open_engine(config.engine, model_dir, max_model_len=config.rollout.max_model_len, seed=config.seed)
         engine = await stack.enter_async_context(engine)
-        yield Session(engine, chat, tools, reward_fn)
+        yield Session(engine, chat, tools, reward_fn, interactions)
 
 
 async def rollout(
@@ -205,7 +225,7 @@ async def rollout(
     records = load_prompts(config) if records is None else records
     async with rollout_session(config) as s:
         runner = RolloutRunner(s.engine, s.chat, s.tools, config.rollout, reward_fn=s.reward_fn,
-                               progress=config.progress, console=console)  # fmt: skip
+                               progress=config.progress, console=console, interactions=s.interactions)  # fmt: skip
         return await runner.run(records, config.samples_per_prompt, config.out, skip=skip, append=bool(skip))
 
 

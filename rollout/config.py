@@ -59,6 +59,14 @@ class RolloutConfig:
     tool_reward_timeout_s: float = 30.0
     """Limit of each tool's create, calc_reward and release."""
 
+    # --- the user's turns (interactions) ---
+    max_user_turns: int | None = None
+    """Most user turns an interaction may append (verl's ``max_user_turns``); a request whose user
+    still talks after them ends as max_turns. None: only ``max_turns`` bounds them."""
+    interaction_timeout_s: float = 60.0
+    """Wall-clock limit of one user turn (``generate_response``); start, score and finalize use
+    ``tool_reward_timeout_s``. A slower turn ends its request with an error."""
+
     # --- the batch ---
     max_concurrency: int = 64
     """Requests in flight at once (per process); the rest wait for a slot. With the embedded
@@ -74,7 +82,9 @@ class RolloutConfig:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_response_tokens is not None and self.max_response_tokens < 1:
             raise ValueError(f"RolloutConfig.max_response_tokens must be >= 1, got {self.max_response_tokens}")
-        for name in ("tool_timeout_s", "tool_reward_timeout_s"):
+        if self.max_user_turns is not None and self.max_user_turns < 0:
+            raise ValueError(f"RolloutConfig.max_user_turns must be >= 0, got {self.max_user_turns}")
+        for name in ("tool_timeout_s", "tool_reward_timeout_s", "interaction_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -205,6 +215,10 @@ class PromptsConfig(CommonConfig):
     """Samples per prompt (GRPO's group size; ``-n`` on the command line)."""
     tools: str | None = None
     """Tool config (YAML or JSON: ``class_name``, ``config``, ``schema``); None: the calculator."""
+    interactions: str | None = None
+    """Interaction config (verl's ``interaction_config``: ``interaction: [{name, class_name, config}]``):
+    the user's turns of records whose ``interaction_kwargs`` name one. None: records' interaction_kwargs
+    are ignored (single-agent conversations)."""
     reward: str | None = None
     """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (``data/reward_fns.py``);
     None: the graded answer where the record has a ground truth, else the sum of the tools' rewards.

@@ -49,6 +49,7 @@ SCHEMA = pa.schema(
         ("rewards", pa.string()),  # JSON text: Rewards
         ("turns", pa.int64()),
         ("tool_calls", pa.string()),  # JSON text: a list of ToolCallRecord objects
+        ("interaction_turns", pa.string()),  # JSON text: a list of InteractionTurn objects (null: an older file)
         ("metrics", pa.string()),  # JSON text: RequestMetrics
         ("consistency_diff", pa.string()),
         ("trace", pa.list_(pa.struct([("state", pa.string()), ("t", pa.float64())]))),
@@ -56,7 +57,9 @@ SCHEMA = pa.schema(
         ("extra", pa.string()),  # JSON text: unknown top-level keys, or null
     ]
 )
-JSON_COLUMNS = ("messages", "rewards", "tool_calls", "metrics")
+JSON_COLUMNS = ("messages", "rewards", "tool_calls", "interaction_turns", "metrics")
+OPTIONAL_COLUMNS = ("interaction_turns",)
+"""Columns a trajectory written before them lacks: null in the row, left out of the record read back."""
 BATCH_SIZE = 1024
 """Trajectories converted (and held in memory) at a time."""
 
@@ -155,6 +158,9 @@ def record_from_row(row: dict[str, Any]) -> dict[str, Any]:
     for name in JSON_COLUMNS:
         if record.get(name) is not None:
             record[name] = orjson.loads(record[name])
+    for name in OPTIONAL_COLUMNS:
+        if record.get(name) is None:
+            record.pop(name, None)
     if row.get("extra"):
         record.update(orjson.loads(row["extra"]))
     return record

@@ -1,10 +1,12 @@
 """The driver: one coroutine moves one request through its states.
 
-    create tools -> render prompt -> generate -> parse -> (call tools -> append results)* -> reward -> release
+    create tools (+ start interaction) -> render prompt -> generate -> parse ->
+        (call tools -> append results | user turn -> append it)* -> reward -> release (+ finalize)
 
 Read ``run_request`` top to bottom; everything it calls is in this file or named by import.
 A failure inside a request ends that request with ``finish_reason=error``; cancellation ends
-it with ``abort``. Either way every created tool instance is released exactly once.
+it with ``abort``. Either way every created tool instance is released exactly once, and every
+started interaction instance is finalized exactly once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import time
 import types
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -25,7 +28,7 @@ from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
-from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, ToolCallRecord
+from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, RequestState, ToolCallRecord
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
 from tools.base import BaseTool, ToolError, ToolResponse
@@ -34,10 +37,42 @@ T = TypeVar("T")
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
-    """The graded final answer when the record has a ground truth, else the tools' rewards."""
+    """The graded final answer when the record has a ground truth, else the interaction's score
+    when there was one, else the tools' rewards."""
     if request.rewards.answer is not None:
         return request.rewards.answer
+    if request.rewards.interaction is not None:
+        return request.rewards.interaction
     return sum(request.rewards.tools.values())
+
+
+@dataclass
+class UserTurns:
+    """The interaction (the user's side) of one request: which one, its instance and its kwargs."""
+
+    interaction: Any  # rollout.interactions.BaseInteraction or any class with verl's interface
+    kwargs: dict[str, Any]
+    instance_id: str | None = None  # set once start_interaction returned
+
+
+def user_turns_for(request: AsyncRolloutRequest, interactions: dict[str, Any] | None) -> UserTurns | None:
+    """The interaction named by the request's ``interaction_kwargs`` (None without interactions
+    or kwargs). An unknown name is a ValueError naming the request."""
+    kwargs = request.extra.get("interaction_kwargs") if interactions else None
+    if not kwargs:
+        return None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"interaction_kwargs: expected a mapping, got {type(kwargs).__name__}")
+    name = kwargs.get("name")
+    if name is None and len(interactions) == 1:  # type: ignore[arg-type]
+        name = next(iter(interactions))  # type: ignore[arg-type]
+    interaction = interactions.get(name) if isinstance(name, str) else None  # type: ignore[union-attr]
+    if interaction is None:
+        raise ValueError(
+            f"interaction_kwargs.name: {name!r} names no interaction of the interaction config "
+            f"(it has {', '.join(sorted(interactions)) or 'none'})"  # type: ignore[arg-type]
+        )
+    return UserTurns(interaction, {k: v for k, v in kwargs.items() if k != "name"})
 
 
 async def run_request(
@@ -47,13 +82,16 @@ async def run_request(
     tools: dict[str, BaseTool],
     config: RolloutConfig,
     reward_fn: RewardFn = default_reward,
+    interactions: dict[str, Any] | None = None,
 ) -> AsyncRolloutRequest:
-    """Drive ``request`` from PENDING to COMPLETED. Never raises, except CancelledError."""
+    """Drive ``request`` from PENDING to COMPLETED. Never raises, except CancelledError.
+    ``interactions`` (by name) play the user's turns of requests whose record names one."""
     created: list[tuple[BaseTool, str]] = []
+    user: UserTurns | None = None
     cancelled = False
     transcript: Transcript | None = None  # the tokens' text, checked piece by piece (rollout/transcript.py)
     try:
-        # PENDING: one instance of every tool for this request
+        # PENDING: one instance of every tool for this request, and of its interaction
         for name, tool in tools.items():
             create_kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
             try:
@@ -62,15 +100,23 @@ async def run_request(
                 raise ToolCreateError(f"create of tool {name} failed: {_describe(exc)}") from exc
             created.append((tool, instance_id))
             request.tool_instance_ids[name] = instance_id
+        user = user_turns_for(request, interactions)
+        if user is not None:
+            try:
+                user.instance_id = await within(
+                    user.interaction.start_interaction(None, **user.kwargs), config.tool_reward_timeout_s
+                )
+            except Exception as exc:
+                raise ToolCreateError(f"start_interaction of {_name(user)} failed: {_describe(exc)}") from exc
         prompt_text, request.prompt_ids = chat.prompt(request.messages)
         transcript = chat.transcript(prompt_text, request.prompt_ids)
         request.transition(RequestState.RUNNING)
-        await _converse(request, engine, chat, tools, config, transcript)
+        await _converse(request, engine, chat, tools, config, transcript, user)
     except asyncio.CancelledError:
         cancelled = True
         request.finish(FinishReason.ABORT, "cancelled")
         raise
-    except ToolCreateError as exc:
+    except (ToolCreateError, InteractionError) as exc:
         request.finish(FinishReason.ERROR, str(exc))
     except Exception as exc:  # engine failure, template error: this request only
         request.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -79,14 +125,22 @@ async def run_request(
             request.transition(RequestState.COMPLETED)
         try:
             if not cancelled:
-                await _score(request, created, chat, config, reward_fn, transcript)
+                await _score(request, created, chat, config, reward_fn, transcript, user)
         finally:  # even when cancelled while scoring
-            await _release(request, created, config)
+            await _release(request, created, config, user)
     return request
 
 
 class ToolCreateError(RuntimeError):
-    """A tool's create failed or timed out: the request ends with this error."""
+    """A tool's create (or the interaction's start) failed or timed out: the request ends with this error."""
+
+
+class InteractionError(RuntimeError):
+    """The interaction failed or timed out producing the user's turn: the request ends with this error."""
+
+
+def _name(user: UserTurns) -> str:
+    return f"interaction {getattr(user.interaction, 'name', type(user.interaction).__name__)}"
 
 
 async def within(awaitable: Coroutine[Any, Any, T], timeout_s: float) -> T:
@@ -137,8 +191,10 @@ async def _converse(
     tools: dict[str, BaseTool],
     config: RolloutConfig,
     transcript: Transcript | None,
+    user: UserTurns | None = None,
 ) -> None:
-    """RUNNING <-> TOOL_CALLING until the model stops calling tools or a budget runs out."""
+    """RUNNING <-> TOOL_CALLING (and INTERACTING, with a user) until the model stops calling tools
+    and the user (if any) ends the conversation, or a budget runs out."""
     parser = get_parser(config.tool_parser)
     while True:
         budget = min(config.max_new_tokens, config.max_model_len - len(request.prompt_ids) - len(request.response_ids))
@@ -171,18 +227,30 @@ async def _converse(
             request.finish(FinishReason.LENGTH)
             return
         turn = parser(text)
-        if not turn.calls:
+        if not turn.calls and user is None:
             request.finish(FinishReason.STOP)
             return
-        if request.metrics.turns >= config.max_turns:
-            request.finish(FinishReason.MAX_TURNS)
-            return
-
-        request.transition(RequestState.TOOL_CALLING)
-        records = await _call_tools(request, turn.calls, tools, config)
-        tool_messages = [{"role": "tool", "content": record.text} for record in records]
-        request.messages += tool_messages
-        delta = chat.delta(tool_messages)
+        if not turn.calls:  # the model answered: the user's turn
+            request.transition(RequestState.INTERACTING)
+            reply = await _user_turn(request, user, config)
+            if reply is None:  # the user ended the conversation
+                request.finish(FinishReason.STOP)
+                return
+            if request.metrics.turns >= config.max_turns or (
+                config.max_user_turns is not None and request.metrics.user_turns > config.max_user_turns
+            ):
+                request.finish(FinishReason.MAX_TURNS)
+                return
+            new_messages = [{"role": "user", "content": reply}]
+        else:
+            if request.metrics.turns >= config.max_turns:
+                request.finish(FinishReason.MAX_TURNS)
+                return
+            request.transition(RequestState.TOOL_CALLING)
+            records = await _call_tools(request, turn.calls, tools, config)
+            new_messages = [{"role": "tool", "content": record.text} for record in records]
+        request.messages += new_messages
+        delta = chat.delta(new_messages)
         request.append_context(chat.assistant_close_ids(generation.output_ids) + delta[1])
         chat.add_context(transcript, generation.output_ids, delta)
         request.transition(RequestState.RUNNING)
@@ -254,6 +322,44 @@ async def _call_tool(
     return record
 
 
+async def _user_turn(request: AsyncRolloutRequest, user: UserTurns, config: RolloutConfig) -> str | None:
+    """INTERACTING: the interaction's reply to the conversation so far; None when it ends it.
+    Its turn score is kept per turn; a failure or timeout ends this request (InteractionError)."""
+    started = time.monotonic()
+    try:
+        response = await within(
+            user.interaction.generate_response(user.instance_id, [dict(m) for m in request.messages], **user.kwargs),
+            config.interaction_timeout_s,
+        )
+    except TimeoutError:
+        raise InteractionError(f"{_name(user)} timed out after {config.interaction_timeout_s:g} s") from None
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # this request is being cancelled
+            raise
+        raise InteractionError(f"{_name(user)} failed: it raised CancelledError") from None
+    except Exception as exc:
+        raise InteractionError(f"{_name(user)} failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        should_terminate, text, score, metadata = response
+        score = float(score)
+        if not math.isfinite(score):
+            raise ValueError(f"the turn score {score} is not a finite number")
+    except (TypeError, ValueError) as exc:
+        raise InteractionError(
+            f"{_name(user)}: generate_response must return (should_terminate, text, score, metadata): {exc}"
+        ) from None
+    text = valid_text(truncate_middle(str(text if text is not None else ""), config.max_tool_response_chars))
+    if metadata is None or type(metadata) is not dict or metadata:  # JSON-safe, whatever it held
+        metadata = orjson.loads(orjson.dumps(metadata or {}, default=repr))
+    request.metrics.user_turns += 1
+    latency = time.monotonic() - started
+    request.interaction_turns.append(
+        InteractionTurn(request.metrics.turns, text, score, bool(should_terminate), latency, metadata)
+    )
+    request.rewards.turn_scores.append(score)
+    return None if should_terminate else text
+
+
 def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
     """A sampling seed for one turn of one (prompt, sample), stable across runs and processes."""
     return (seed * 1_000_003 + request.prompt_index * 10_007 + request.sample_index * 101 + turn) % 2**62
@@ -266,9 +372,10 @@ async def _score(
     config: RolloutConfig,
     reward_fn: RewardFn,
     transcript: Transcript | None = None,
+    user: UserTurns | None = None,
 ) -> None:
-    """COMPLETED: each tool's calc_reward, the graded answer, the final reward, the token check
-    (against a full re-render, shown through the transcript where it holds)."""
+    """COMPLETED: each tool's calc_reward, the interaction's score, the graded answer, the final
+    reward, the token check (against a full re-render, shown through the transcript where it holds)."""
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
         try:
@@ -280,6 +387,15 @@ async def _score(
             request.rewards.tools[tool.name] = 0.0
             request.metrics.tool_errors += 1
             _note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
+    if user is not None and user.instance_id is not None:
+        try:
+            score = float(await within(user.interaction.calculate_score(user.instance_id, **user.kwargs),
+                                       config.tool_reward_timeout_s))  # fmt: skip
+            if not math.isfinite(score):
+                raise ValueError(f"returned {score}, not a finite number")
+            request.rewards.interaction = score
+        except Exception as exc:
+            _note_error(request, f"calculate_score of {_name(user)} failed: {_describe(exc)}")
     if request.ground_truth is not None:
         # math-verify's symbolic fallback can take a while: keep it off the event loop
         request.rewards.answer = await asyncio.to_thread(score_answer, final_answer_text(request), request.ground_truth)
@@ -306,10 +422,21 @@ async def _score(
             request.consistency_diff = f"the consistency check failed: {type(exc).__name__}: {exc}"
 
 
-async def _release(request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]], config: RolloutConfig) -> None:
-    """Release every created instance once, even if one release fails or the request is cancelled
-    in the middle (the cancellation is passed on once all are released)."""
+async def _release(
+    request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]], config: RolloutConfig,
+    user: UserTurns | None = None,
+) -> None:  # fmt: skip
+    """Finalize the interaction's instance and release every created tool instance, each once, even
+    if one fails or the request is cancelled in the middle (the cancellation is passed on at the end)."""
     cancelled: asyncio.CancelledError | None = None
+    if user is not None and user.instance_id is not None:
+        try:
+            await within(user.interaction.finalize_interaction(user.instance_id, **user.kwargs),
+                         config.tool_reward_timeout_s)  # fmt: skip
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        except Exception as exc:
+            _note_error(request, f"finalize_interaction of {_name(user)} failed: {_describe(exc)}")
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
         try:

@@ -1,6 +1,7 @@
 """One rollout request: its state, tokens, tool calls, rewards, metrics and trace.
 
-States: PENDING -> RUNNING -> (TOOL_CALLING -> RUNNING)* -> COMPLETED. Every transition is
+States: PENDING -> RUNNING -> ((TOOL_CALLING | INTERACTING) -> RUNNING)* -> COMPLETED, where
+INTERACTING is the user's turn (an interaction, ``rollout/interactions.py``). Every transition is
 appended to ``trace`` with a ``time.monotonic()`` timestamp; ``metrics.state_seconds`` adds up
 the time spent in each state.
 """
@@ -17,13 +18,14 @@ class RequestState(str, Enum):
     PENDING = "pending"
     RUNNING = "running"
     TOOL_CALLING = "tool_calling"
+    INTERACTING = "interacting"
     COMPLETED = "completed"
 
 
 class FinishReason(str, Enum):
-    STOP = "stop"  # the model answered without calling a tool
+    STOP = "stop"  # the model answered without calling a tool (and the user, if any, ended the conversation)
     LENGTH = "length"  # max_new_tokens of a turn or max_model_len reached
-    MAX_TURNS = "max_turns"  # still calling tools when the turn budget ran out
+    MAX_TURNS = "max_turns"  # still calling tools, or the user still talking, when the turn budget ran out
     ABORT = "abort"  # cancelled or aborted by the engine
     ERROR = "error"  # an engine or tool failure that ended this request (see ``error``)
 
@@ -42,6 +44,18 @@ class ToolCallRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class InteractionTurn:
+    """One user turn played by an interaction, answering assistant turn ``turn``."""
+
+    turn: int
+    text: str  # appended as a user message, unless ``terminated``
+    score: float  # the interaction's score of that assistant turn
+    terminated: bool  # the interaction ended the conversation here
+    latency_s: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class TraceEvent:
     state: RequestState
@@ -53,6 +67,7 @@ class RequestMetrics:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    user_turns: int = 0  # replies of the interaction (INTERACTING), the one that ended it included
     generated_tokens: int = 0
     state_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -66,6 +81,8 @@ class Rewards:
     judge: float | None = None  # the LLM judge's score in [0, 1] (None: not judged, or the judgment failed)
     judge_error: str | None = None  # why the judgment failed (rollout/judge.py); the only reason final may be None
     reward_error: str | None = None  # why the reward function raised (final stays 0.0); not trained on
+    interaction: float | None = None  # the interaction's calculate_score (None: no interaction)
+    turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each user turn
 
 
 @dataclass
@@ -93,6 +110,7 @@ class AsyncRolloutRequest:
     weight_versions: list[int | None] = field(default_factory=list)
     tool_instance_ids: dict[str, str] = field(default_factory=dict)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    interaction_turns: list[InteractionTurn] = field(default_factory=list)
     rewards: Rewards = field(default_factory=Rewards)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     trace: list[TraceEvent] = field(default_factory=list)
@@ -160,6 +178,7 @@ class AsyncRolloutRequest:
             "rewards": asdict(self.rewards),
             "turns": self.metrics.turns,
             "tool_calls": [asdict(call) for call in self.tool_calls],
+            "interaction_turns": [asdict(turn) for turn in self.interaction_turns],
             "metrics": asdict(self.metrics),
             "consistency_diff": self.consistency_diff,
             "trace": [{"state": e.state.value, "t": round(e.t - start, 6)} for e in self.trace],

@@ -49,6 +49,7 @@ class RolloutSummary:
     turns: float = 0.0
     tool_calls: float = 0.0
     tool_errors: float = 0.0
+    user_turns: float | None = None  # per request with an interaction; None: no interaction
     error_rate: float = 0.0
     truncated_rate: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -63,6 +64,8 @@ class RolloutSummary:
     def table(self) -> Table:
         table = Table(title="rollout summary", show_header=False)
         for key, value in self.to_dict().items():
+            if key == "user_turns" and value is None:  # no interaction in this rollout
+                continue
             if isinstance(value, float):
                 value = f"{value:.4g}"
             elif isinstance(value, dict):
@@ -87,6 +90,7 @@ def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_pr
         turns=metrics["turns"],
         tool_calls=metrics["tool_calls"],
         tool_errors=metrics["tool_errors"],
+        user_turns=metrics.get("user_turns"),
         error_rate=metrics["error_rate"],
         truncated_rate=metrics["truncated_rate"],
         finish_reasons=counts.finish_reasons,
@@ -117,8 +121,10 @@ class RolloutRunner:
         reward_fn: RewardFn = default_reward,
         progress: bool = True,
         console: Console | None = None,
+        interactions: dict[str, Any] | None = None,
     ):
         self.engine, self.chat, self.tools = engine, chat, tools
+        self.interactions = interactions
         self.config = config or RolloutConfig()
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -164,7 +170,8 @@ class RolloutRunner:
             async with semaphore:
                 live.running += 1
                 try:
-                    await run_request(request, self.engine, self.chat, self.tools, self.config, self.reward_fn)
+                    await run_request(request, self.engine, self.chat, self.tools, self.config, self.reward_fn,
+                                      self.interactions)  # fmt: skip
                 finally:
                     live.running -= 1
             live.finished(request)

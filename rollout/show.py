@@ -134,6 +134,12 @@ def _header(record: dict[str, Any]) -> Table:
     rows.append(("turns", Text(str(record["turns"]))))
     errors = sum(1 for call in calls if isinstance(call, dict) and call.get("error"))
     rows.append(("tool calls", Text(f"{len(calls)}" + (f" ({errors} failed)" if errors else ""))))
+    user_turns = _user_turns(record)
+    if user_turns:
+        scores = ", ".join(_number(t.get("score")) for t in user_turns.values())
+        ended = any(t.get("terminated") for t in user_turns.values())
+        text = f"{len(user_turns)} (scores {scores}){'; the interaction ended the conversation' if ended else ''}"
+        rows.append(("user turns", Text(text)))
     trained = sum(mask)
     rows.append(
         (
@@ -178,6 +184,14 @@ def _timeline(trace: list[dict[str, Any]]) -> str:
     return " -> ".join(steps)
 
 
+def _user_turns(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The interaction's turns by the assistant turn each answers (none in older files)."""
+    turns = record.get("interaction_turns")
+    if not isinstance(turns, list):
+        return {}
+    return {t["turn"]: t for t in turns if isinstance(t, dict) and isinstance(t.get("turn"), int)}
+
+
 def _float(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
@@ -207,7 +221,9 @@ def _conversation(record: dict[str, Any]) -> list[Any]:
     for call in record["tool_calls"]:
         if isinstance(call, dict):
             calls_by_turn[call.get("turn", 0)].append(call)
+    user_turns = _user_turns(record)
     pending: list[dict[str, Any]] = []  # this turn's calls, answered by the tool messages that follow
+    answering: dict[str, Any] | None = None  # the user turn answering the last assistant turn
     out: list[Any] = [Text("conversation", style="bold underline")]
     for i, message in enumerate(messages):
         role = str(message.get("role"))
@@ -222,6 +238,7 @@ def _conversation(record: dict[str, Any]) -> list[Any]:
                 facts.append(f"running {_seconds(running[turn - 1])}")
             subtitle = ", ".join(facts) or None
             pending = list(calls_by_turn.get(turn, []))
+            answering = user_turns.get(turn)
         elif role == "assistant":
             title = "assistant (prompt)"
         elif role == "tool" and pending:
@@ -230,6 +247,11 @@ def _conversation(record: dict[str, Any]) -> list[Any]:
             subtitle = f"latency {_seconds(_float(call.get('latency_s')))}"
             if call.get("error"):
                 subtitle += f", error: {call['error']}"
+        elif role == "user" and answering is not None:
+            title = f"user turn (interaction), answering turn {answering['turn']}"
+            latency = _seconds(_float(answering.get("latency_s")))
+            subtitle = f"score {_number(answering.get('score'))}, latency {latency}"
+            answering = None
         style = ROLE_STYLES.get(role, "white")
         out.append(
             Panel(
@@ -243,6 +265,10 @@ def _conversation(record: dict[str, Any]) -> list[Any]:
         )
         if i in turn_of and calls_by_turn.get(turn_of[i]):
             out.append(_calls_table(turn_of[i], calls_by_turn[turn_of[i]]))
+        ended = user_turns.get(turn_of.get(i, -1))
+        if ended is not None and ended.get("terminated"):
+            note = f"the interaction ended the conversation here (score {_number(ended.get('score'))})"
+            out.append(Text(note, style="cyan"))
     return out
 
 

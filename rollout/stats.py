@@ -8,6 +8,8 @@ them across ranks) before the means are taken. Definitions:
   truth); None when nothing is graded.
 - **reward_mean / reward_std**: over the requests whose reward is not missing (a failed judgment).
 - **pass_at_n**: graded prompts with at least one right sample / graded prompts.
+- **user_turns**: the interaction's replies per request that had an interaction (for the answer
+  checker, the attempts); only reported when some request had one.
 - **staleness**: the policy version minus the weight version that produced each generated token.
 """
 
@@ -58,6 +60,8 @@ class RolloutCounts:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    interactive: int = 0
+    user_turns: int = 0
     errors: int = 0
     truncated: int = 0
     consistency_failures: int = 0
@@ -85,6 +89,8 @@ class RolloutCounts:
             turns=sum(r.metrics.turns for r in requests),
             tool_calls=sum(r.metrics.tool_calls for r in requests),
             tool_errors=sum(r.metrics.tool_errors for r in requests),
+            interactive=sum(r.rewards.interaction is not None or r.metrics.user_turns > 0 for r in requests),
+            user_turns=sum(r.metrics.user_turns for r in requests),
             errors=reasons.get("error", 0),
             truncated=reasons.get("length", 0),
             consistency_failures=sum(r.consistency_diff is not None for r in requests),
@@ -115,6 +121,7 @@ class RolloutCounts:
         if self.rewarded:
             mean = self.reward_sum / self.rewarded
             std = math.sqrt(max(self.reward_sq_sum / self.rewarded - mean**2, 0.0))
+        interaction = {"user_turns": self.user_turns / self.interactive} if self.interactive else {}
         return {
             "trajectories": self.requests,
             "reward_mean": mean,
@@ -131,4 +138,5 @@ class RolloutCounts:
             "consistency_failures": self.consistency_failures,
             "staleness_mean": self.stale_sum / self.stale_tokens if self.stale_tokens else 0.0,
             "staleness_max": self.stale_max,
+            **interaction,
         }

@@ -165,8 +165,10 @@ class GroupProducer:
         seed: int,
         version: int = 0,
         discard: Callable[[Group], bool] | None = None,
+        interactions: dict[str, Any] | None = None,
     ):
         self.engine, self.chat, self.tools, self.reward_fn = engine, chat, tools, reward_fn
+        self.interactions = interactions
         self.rollout, self.ledger, self.samples_per_prompt = rollout, ledger, samples_per_prompt
         self.capacity, self.seed, self.version = capacity, seed, version
         self.discard = discard
@@ -246,7 +248,9 @@ class GroupProducer:
 
         async def one(request: AsyncRolloutRequest) -> None:
             async with self._semaphore:
-                await run_request(request, self.engine, self.chat, self.tools, config, self.reward_fn)
+                await run_request(
+                    request, self.engine, self.chat, self.tools, config, self.reward_fn, self.interactions
+                )
 
         try:
             await asyncio.gather(*(one(r) for r in group.requests))

@@ -46,13 +46,16 @@ def step_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
 
 
 def step_rewards(request: AsyncRolloutRequest) -> list[float]:
-    """r_t per assistant turn: the step rewards of the tool calls made in that turn, plus the
-    final reward on the last turn."""
+    """r_t per assistant turn: the step rewards of the tool calls made in that turn and the
+    interaction's score of the user turn answering it, plus the final reward on the last turn."""
     turns = len(step_spans(request.loss_mask))
     rewards = [0.0] * turns
     for call in request.tool_calls:
         if 1 <= call.turn <= turns:
             rewards[call.turn - 1] += call.reward
+    for user_turn in request.interaction_turns:
+        if 1 <= user_turn.turn <= turns:
+            rewards[user_turn.turn - 1] += user_turn.score
     if turns:
         rewards[-1] += request.rewards.final
     return rewards

@@ -34,7 +34,16 @@ from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 from data.reward_fns import RewardFn
 from data.schema import Record, load_records
 from data.synthetic import make_task
-from rollout.api import make_judge, make_reward, open_engine, resolve_model, set_threads, setup_tools
+from rollout.api import (
+    enter_interactions,
+    make_judge,
+    make_reward,
+    open_engine,
+    resolve_model,
+    set_threads,
+    setup_interactions,
+    setup_tools,
+)
 from rollout.engines.base import Engine, LoadsWeightsFromDisk
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
@@ -110,6 +119,7 @@ class GRPOTrainer:
         scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
+        self.interactions = setup_interactions(config.interactions)
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)
         self.engine = engine
@@ -400,6 +410,7 @@ class GRPOTrainer:
         async with contextlib.AsyncExitStack() as stack:
             if self.judge is not None:
                 await stack.enter_async_context(self.judge)
+            await enter_interactions(stack, self.interactions)
             if self.engine is None:  # ours: opened and closed here
                 self.engine = await stack.enter_async_context(self.open_engine())
             engine = self.engine
@@ -425,7 +436,8 @@ class GRPOTrainer:
                     await self.train_async(finished)
                 else:
                     runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
-                                           reward_fn=self.reward_fn, progress=False)  # fmt: skip
+                                           reward_fn=self.reward_fn, progress=False,
+                                           interactions=self.interactions)  # fmt: skip
                     while self.state.step < config.steps:
                         if finished(await self.step(runner)):
                             self.save_checkpoint()
@@ -453,6 +465,7 @@ class GRPOTrainer:
         producer = GroupProducer(
             self.metered, self.chat, self.tools, config.rollout, self.reward_fn, ledger, config.samples_per_prompt,
             capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step, discard=no_signal,
+            interactions=self.interactions,
         )  # fmt: skip
         async with producer:
             while self.state.step < config.steps:

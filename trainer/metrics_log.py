@@ -58,6 +58,7 @@ CONSOLE_FIELDS = (
     ("rollout/response_length", "  len {:.0f}"),
     ("rollout/turns", "  turns {:.2f}"),
     ("rollout/tool_calls", "  tools {:.2f}"),
+    ("rollout/user_turns", "  user {:.2f}"),
     ("train/kl", "  kl {:.4f}"),
     ("train/clip_fraction", "  clip {:.3f}"),
     ("train/entropy", "  ent {:.3f}"),
