@@ -16,7 +16,8 @@ YES / NO (``mode="yes_no"``, 1 or 0).
 - Retries: an engine error, an HTTP error that may pass (connection, timeout, 408, 429, 5xx) or
   an unparsable reply is retried with exponential backoff and full jitter (``rollout/retry.py``),
   up to ``max_retries`` times; the slot is given back while waiting. Other HTTP errors (400,
-  401, 404) fail at once.
+  401, 404) fail at once. The bound, the timeout and the retries are ``rollout/chat_model.py``'s,
+  shared with the simulated user.
 - Cache: a successful score is kept under (template, question, reference, answer), in memory
   and, with ``cache_path``, in a JSON file (loaded at construction, written on exit and by
   ``save_cache``). Identical judgments asked for at the same time call the judge once.
@@ -32,23 +33,22 @@ import contextlib
 import hashlib
 import math
 import re
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 
 from data.files import atomic_write_bytes
 from data.reward_fns import final_answer_text, question_text
 from data.text import truncate_middle
+from rollout.chat_model import ChatModel, ChatModelError, ChatModelStats, ChatSettings, chat_completions_url
 from rollout.config import JudgeConfig
-from rollout.engines.base import Engine, SamplingParams
+from rollout.engines.base import Engine
 from rollout.request import AsyncRolloutRequest
-from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
-from rollout.tokens import ChatTokenizer
+
+__all__ = ["Judge", "JudgeConfig", "JudgeError", "JudgeStats", "chat_completions_url", "parse_score", "parse_verdict"]
 
 SCORE_TEMPLATE = """You are grading an answer to a question against the reference answer.
 
@@ -85,32 +85,17 @@ _CAPS_VERDICT_RE = re.compile(r"\b(YES|NO)\b")
 
 
 @dataclass
-class JudgeStats:
-    """Counts of what a judge did."""
+class JudgeStats(ChatModelStats):
+    """Counts of what a judge did: its model's calls, retries, unparsable replies (no score or
+    verdict in them) and failed judgments, and these."""
 
     judgments: int = 0
     """Scores asked for (cache hits included)."""
     cache_hits: int = 0
-    calls: int = 0
-    """Calls to the judge model (retries included)."""
-    retries: int = 0
-    unparsable: int = 0
-    """Replies with no score or verdict in them."""
-    failures: int = 0
-    """Judgments that failed after every retry."""
 
 
 class JudgeError(RuntimeError):
     """A judgment failed (after its retries): the message says why."""
-
-
-class _FatalCallError(JudgeError):
-    """A call failed in a way no retry can mend (a 400, a 401, a 404)."""
-
-
-class _RetryableCallError(JudgeError):
-    """A call failed in a way another call may not (an engine or connection error, a timeout, an
-    unparsable reply); the message says how."""
 
 
 @dataclass
@@ -148,16 +133,6 @@ def parse_verdict(text: str) -> float | None:
     return None
 
 
-def chat_completions_url(url: str) -> str:
-    """``http://host:port`` or ``.../v1`` -> ``.../v1/chat/completions`` (a full one is kept)."""
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"judge URL {url!r} must start with http:// or https://")
-    url = url.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
-
-
 class Judge:
     """Grades final answers with a judge model: an Engine (with its tokenizer) or an OpenAI URL.
 
@@ -167,51 +142,48 @@ class Judge:
 
     def __init__(self, backend: Engine | str, config: JudgeConfig | None = None, *, tokenizer: Any = None):
         self.config = config or JudgeConfig()
-        self.url: str | None = None
-        self.engine: Engine | None = None
-        self.chat: ChatTokenizer | None = None
-        if isinstance(backend, str):
-            self.url = chat_completions_url(backend)
-        else:
-            if tokenizer is None:
-                raise ValueError("a judge on an engine needs the engine's tokenizer: Judge(engine, tokenizer=...)")
-            self.engine = backend
-            self.chat = tokenizer if isinstance(tokenizer, ChatTokenizer) else ChatTokenizer(tokenizer)
-        self.template = self.config.template or (SCORE_TEMPLATE if self.config.mode == "score" else YES_NO_TEMPLATE)
         self.stats = JudgeStats()
-        self.in_flight = 0
-        """Judge calls running now."""
-        self.max_in_flight = 0
-        """The most judge calls that ran at once."""
-        self.queued = 0
-        """Judge calls waiting for a slot now."""
+        c = self.config
+        settings = ChatSettings(
+            max_concurrency=c.max_concurrency, max_tokens=c.max_new_tokens, temperature=c.temperature,
+            timeout_s=c.timeout_s, max_retries=c.max_retries, backoff_s=c.backoff_s, backoff_max_s=c.backoff_max_s,
+            model=c.model, api_key=c.api_key, connect_timeout_s=c.connect_timeout_s,
+        )  # fmt: skip
+        self.model = ChatModel(backend, settings, tokenizer=tokenizer, label="judge", stats=self.stats)
+        """The judge model behind its bound, timeout and retries."""
+        self.url, self.engine, self.chat = self.model.url, self.model.engine, self.model.chat
+        self.template = self.config.template or (SCORE_TEMPLATE if self.config.mode == "score" else YES_NO_TEMPLATE)
         self.cache: dict[str, float] = {}
         self._cache_dirty = False
-        self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._key_locks: dict[str, _KeyLock] = {}
-        self._session: aiohttp.ClientSession | None = None
         self._fingerprint = [self.config.mode, self.template, self.config.score_max]
-        self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
         if self.config.cache_path and Path(self.config.cache_path).exists():
             self.cache = _read_cache(Path(self.config.cache_path))
 
     def __repr__(self) -> str:
         return f"Judge({self.url or self.engine!r})"
 
+    @property
+    def in_flight(self) -> int:
+        """Judge calls running now."""
+        return self.model.in_flight
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most judge calls that ran at once."""
+        return self.model.max_in_flight
+
+    @property
+    def queued(self) -> int:
+        """Judge calls waiting for a slot now."""
+        return self.model.queued
+
     async def __aenter__(self) -> Judge:
-        if self.url is not None and self._session is None:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-            self._session = aiohttp.ClientSession(
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
-                connector=aiohttp.TCPConnector(limit=0),  # the semaphore is the limit
-            )
+        await self.model.__aenter__()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.model.__aexit__(*exc_info)
         self.save_cache()
 
     # ----- the reward function ------------------------------------------------------------------
@@ -274,106 +246,16 @@ class Judge:
         atomic_write_bytes(self.config.cache_path, orjson.dumps({"scores": self.cache}))
         self._cache_dirty = False
 
-    # ----- one judgment: attempts, the queue, the two backends ------------------------------------
+    # ----- one judgment ---------------------------------------------------------------------------
 
     async def _judge(self, prompt: str) -> float:
-        """Call the judge until a reply parses, retrying with backoff; JudgeError when none does."""
+        """Call the judge model until a reply parses (``rollout/chat_model.py``: bounded, timed,
+        retried with backoff); JudgeError when none does."""
         try:
-            request = self._request_for(prompt)
-        except Exception as exc:  # a template the tokenizer cannot render: no call can pass
-            self.stats.failures += 1
-            raise JudgeError(f"the judge prompt could not be rendered: {type(exc).__name__}: {exc}") from None
-        attempts = self.config.max_retries + 1
-        try:  # the slot is free while waiting to retry
-            return await call_with_retries(
-                lambda: self._attempt(request), retries=self.config.max_retries, backoff=self._backoff,
-                retry_on=(_RetryableCallError,), on_retry=self._count_retry,
-            )  # fmt: skip
-        except _RetryableCallError as exc:
-            self.stats.failures += 1
-            raise JudgeError(f"the judge failed after {attempts} attempt(s): {exc}") from None
-        except _FatalCallError as exc:
-            self.stats.failures += 1
-            raise JudgeError(f"the judge failed: {exc}") from None
-
-    async def _attempt(self, request: Any) -> float:
-        """One call and the score in its reply; _RetryableCallError when another call may pass."""
-        try:
-            reply = await self._call_limited(request)
-        except _FatalCallError:
-            raise
-        except Exception as exc:  # engine errors, connection errors, timeouts: another try may pass
-            problem = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-            raise _RetryableCallError(problem) from exc
-        value = self.parse(reply)
-        if value is None:
-            self.stats.unparsable += 1
-            raise _RetryableCallError(f"unparsable reply {truncate_middle(reply.strip(), 200)!r}")
-        return value
-
-    def _count_retry(self, _: BaseException) -> None:
-        self.stats.retries += 1
-
-    def _request_for(self, prompt: str) -> Any:
-        """What each attempt sends: prompt token ids for an engine, the JSON body for a URL."""
-        messages = [{"role": "user", "content": prompt}]
-        if self.chat is not None:
-            return self.chat.prompt_ids(messages)
-        return orjson.dumps(
-            {"model": self.config.model, "messages": messages, "max_tokens": self.config.max_new_tokens,
-             "temperature": self.config.temperature}
-        )  # fmt: skip
-
-    async def _call_limited(self, request: Any) -> str:
-        """One call, when a slot is free (at most ``max_concurrency`` at once)."""
-        self.queued += 1
-        try:
-            await self._semaphore.acquire()
-        finally:
-            self.queued -= 1
-        rid = f"judge-{uuid.uuid4().hex[:16]}"
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        self.stats.calls += 1
-        try:
-            async with asyncio.timeout(self.config.timeout_s):
-                if self.engine is not None:
-                    return await self._call_engine(request, rid)
-                return await self._call_url(request)
-        except TimeoutError:
-            if self.engine is not None:
-                with contextlib.suppress(Exception):
-                    await self.engine.abort(rid)
-            raise
-        finally:
-            self.in_flight -= 1
-            self._semaphore.release()
-
-    async def _call_engine(self, prompt_ids: list[int], rid: str) -> str:
-        assert self.engine is not None and self.chat is not None
-        sampling = SamplingParams(
-            max_new_tokens=self.config.max_new_tokens,
-            temperature=self.config.temperature,
-            stop_token_ids=self.chat.stop_token_ids,
-        )
-        generation = await self.engine.generate(prompt_ids, sampling, rid)
-        if generation.finish_reason == "abort":
-            raise RuntimeError("the judge engine aborted the request")
-        return self.chat.assistant_text(generation.output_ids)
-
-    async def _call_url(self, body: bytes) -> str:
-        if self._session is None:
-            raise _FatalCallError(f"{self!r} is not open: use it inside 'async with judge:'")
-        async with self._session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as response:
-            text = await response.text()
-            if response.status != 200:
-                message = f"{self.url} answered HTTP {response.status}: {truncate_middle(text.strip(), 300)}"
-                raise (RuntimeError if response.status in RETRY_STATUSES else _FatalCallError)(message)
-        try:
-            content = orjson.loads(text)["choices"][0]["message"]["content"]
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise RuntimeError(f"{self.url} answered with no choices[0].message.content") from None
-        return content if isinstance(content, str) else ""
+            reply = await self.model.complete([{"role": "user", "content": prompt}], parse=self.parse)
+        except ChatModelError as exc:
+            raise JudgeError(str(exc)) from None
+        return reply.value
 
     @contextlib.asynccontextmanager
     async def _one_judgment_per_key(self, key: str) -> AsyncIterator[None]:
