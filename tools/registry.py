@@ -1,16 +1,28 @@
-"""Tools from a YAML or JSON config, by import path, so users plug in their own classes.
+"""Tools from a YAML or JSON config, by import path, so users plug in their own tools.
 
 ```yaml
 tools:
   - class_name: "tools.calculator:CalculatorTool"   # or "pkg.module.Class" (verl's spelling)
     config: {max_digits: 2000}
-    schema: {...}                                    # optional OpenAI function schema
+    schema: {...}                                    # optional OpenAI function schema (or tool_schema)
+  - class_name: my_pkg.tools.SearchTool              # a class written for verl, as it is
+    config: {type: native}
+    tool_schema: {type: function, function: {...}}
+  - class_name: my_pkg.tools.multiply                # a function with type hints and a docstring
+  - class_name: my_pkg.tools.Unused                  # verl's MCP entry: tools.mcp builds its tools
+    config: {type: mcp}
+    mcp: {mcp_servers_config_path: ./mcp_servers.json, tool_selected_list: [search]}
 ```
+
+A class_name names one of our ``BaseTool`` subclasses, a verl-style class (``tools.verl_compat``)
+or a function (``tools.function_tool``). A module that is not installed is also looked for in
+the current folder and the config file's folder.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,68 +30,119 @@ import orjson
 import yaml
 
 from tools.base import BaseTool
+from tools.function_tool import FunctionTool, is_function
+from tools.verl_compat import VerlTool, is_verl_style, schema_dict
 
 DEFAULT_TOOLS = [{"class_name": "tools.calculator:CalculatorTool"}]
+FIELDS = {"class_name", "config", "schema", "tool_schema", "mcp"}
+MCP_CLASS_NAMES = {"tools.mcp:MCPTool", "tools.mcp.MCPTool"}
 
 
 class ToolConfigError(ValueError):
     """A tool config that cannot be loaded; the message names the file, the entry and the field."""
 
 
-def import_class(path: str) -> type:
-    """``"pkg.module:Class"`` or ``"pkg.module.Class"`` -> the class."""
+def import_class(path: str, search: tuple[Path, ...] = ()) -> Any:
+    """``"pkg.module:Class"`` or ``"pkg.module.Class"`` -> the class (or function). A module that
+    is not importable but sits in one of ``search``'s folders is imported from there, as
+    ``python -m`` would from the folder it runs in."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ImportError(f"{path!r} is not an import path like 'pkg.module:Class'")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.partition(".")[0]
+        folder = next((f for f in search if (f / top).is_dir() or (f / f"{top}.py").is_file()), None)
+        if exc.name != top or folder is None:
+            raise
+        sys.path.insert(0, str(folder))
+        module = importlib.import_module(module_name)
     try:
         return getattr(module, attr)
     except AttributeError:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
-def build_tools(entries: list[dict[str, Any]], source: str = "<tools>") -> dict[str, BaseTool]:
-    """Instantiate every entry; the result maps each tool's name to the tool."""
+def build_tools(
+    entries: list[dict[str, Any]], source: str = "<tools>", source_dir: Path | None = None
+) -> dict[str, BaseTool]:
+    """Instantiate every entry; the result maps each tool's name to the tool. Relative paths in an
+    entry (an MCP server config) are read from ``source_dir`` (default: the current folder)."""
     tools: dict[str, BaseTool] = {}
     for i, entry in enumerate(entries):
         where = f"{source}: tools[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolConfigError(f"{where}: expected a mapping with 'class_name', got {type(entry).__name__}")
-        unknown = set(entry) - {"class_name", "config", "schema", "tool_schema"}
-        if unknown:
-            raise ToolConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-        class_name = entry.get("class_name")
-        if not isinstance(class_name, str):
-            raise ToolConfigError(f"{where}.class_name: expected an import path like 'pkg.module:Class'")
-        try:
-            cls = import_class(class_name)
-        except ImportError as exc:
-            raise ToolConfigError(f"{where}.class_name: cannot import {class_name!r}: {exc}") from None
-        except Exception as exc:  # the module itself fails: a syntax error, an error at import, a relative path
-            raise ToolConfigError(
-                f"{where}.class_name: cannot import {class_name!r}: {type(exc).__name__}: {exc}"
-            ) from None
-        if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-            raise ToolConfigError(f"{where}.class_name: {class_name!r} is not a subclass of tools.base.BaseTool")
-        config = entry.get("config") or {}
-        schema = entry.get("schema", entry.get("tool_schema"))
-        if not isinstance(config, dict):
-            raise ToolConfigError(f"{where}.config: expected a mapping, got {type(config).__name__}")
-        if schema is not None and not (isinstance(schema, dict) and isinstance(schema.get("function"), dict)):
-            raise ToolConfigError(f"{where}.schema: expected an OpenAI function schema {{'type': 'function', ...}}")
-        if schema is not None and not (isinstance(schema["function"].get("name"), str) and schema["function"]["name"]):
-            raise ToolConfigError(f"{where}.schema.function.name: expected the tool's name, a non-empty string")
-        try:
-            tool = cls(config=config, schema=schema)
-            tool.check_arguments({})  # compiles the parameters schema: a bad one fails here
-        except Exception as exc:
-            raise ToolConfigError(f"{where}: {class_name} could not be created: {exc}") from None
-        if tool.name in tools:
-            raise ToolConfigError(f"{where}: a second tool named {tool.name!r}")
-        tools[tool.name] = tool
+        for tool in _build_entry(entry, where, source_dir or Path.cwd()):
+            if tool.name in tools:
+                raise ToolConfigError(f"{where}: a second tool named {tool.name!r}")
+            tools[tool.name] = tool
     return tools
+
+
+def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
+    """One entry's tools: one for a class or a function, all of a server's for an MCP entry."""
+    if not isinstance(entry, dict):
+        raise ToolConfigError(f"{where}: expected a mapping with 'class_name', got {type(entry).__name__}")
+    unknown = set(entry) - FIELDS
+    if unknown:
+        raise ToolConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    class_name = entry.get("class_name")
+    config = entry.get("config") or {}
+    if not isinstance(config, dict):
+        raise ToolConfigError(f"{where}.config: expected a mapping, got {type(config).__name__}")
+    if "mcp" in entry or config.get("type") == "mcp" or (isinstance(class_name, str) and class_name in MCP_CLASS_NAMES):
+        from tools.mcp import build_mcp_tools
+
+        return build_mcp_tools(entry, where, source_dir)
+    if not isinstance(class_name, str):
+        raise ToolConfigError(f"{where}.class_name: expected an import path like 'pkg.module:Class'")
+    try:
+        target = import_class(class_name, (Path.cwd(), source_dir))
+    except ImportError as exc:
+        raise ToolConfigError(f"{where}.class_name: cannot import {class_name!r}: {exc}") from None
+    except Exception as exc:  # the module itself fails: a syntax error, an error at import, a relative path
+        raise ToolConfigError(
+            f"{where}.class_name: cannot import {class_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    schema_key = "schema" if "schema" in entry else "tool_schema"
+    schema = _schema(entry.get(schema_key), f"{where}.{schema_key}")
+    try:
+        if isinstance(target, type) and issubclass(target, BaseTool):
+            tool = target(config=config, schema=schema)
+        elif is_verl_style(target):
+            tool = VerlTool.build(target, config, schema)
+        elif is_function(target):
+            if set(config) - {"type"}:
+                raise ToolConfigError(f"{where}.config: a function takes no config, got {', '.join(sorted(config))}")
+            tool = FunctionTool(target, schema)
+        else:
+            raise ToolConfigError(
+                f"{where}.class_name: {class_name!r} is not a subclass of tools.base.BaseTool, a verl-style "
+                "tool class (async create and execute) or a function"
+            )
+        tool.check_arguments({})  # compiles the parameters schema: a bad one fails here
+    except ToolConfigError:
+        raise
+    except Exception as exc:
+        raise ToolConfigError(f"{where}: {class_name} could not be created: {_one_line(exc)}") from None
+    return [tool]
+
+
+def _schema(raw: Any, where: str) -> dict[str, Any] | None:
+    """The entry's OpenAI function schema (a mapping or a pydantic model such as verl's), checked."""
+    try:
+        schema = schema_dict(raw)
+    except TypeError as exc:
+        raise ToolConfigError(f"{where}: {exc}") from None
+    if schema is None:
+        return None
+    if not (isinstance(schema, dict) and isinstance(schema.get("function"), dict)):
+        raise ToolConfigError(f"{where}: expected an OpenAI function schema {{'type': 'function', ...}}")
+    if not (isinstance(schema["function"].get("name"), str) and schema["function"]["name"]):
+        raise ToolConfigError(f"{where}.function.name: expected the tool's name, a non-empty string")
+    return schema
 
 
 def load_tools(path: str | Path) -> dict[str, BaseTool]:
@@ -97,7 +160,7 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
         ) from None
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
         raise ToolConfigError(f"{path}: expected a top-level 'tools:' list")
-    return build_tools(data["tools"], str(path))
+    return build_tools(data["tools"], str(path), path.parent)
 
 
 def _one_line(exc: Exception) -> str:
