@@ -159,3 +159,28 @@ def test_a_step_whose_groups_are_all_filtered_out_leaves_the_policy_alone(tmp_pa
     assert history[0]["rollout/draw_cap_hit"] == 1
     after = trainer.policy_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [1, 40])
+def test_the_update_does_not_depend_on_the_micro_batch_token_budget(tmp_path, tiny_model_dir, micro_batch_tokens):
+    def sample(n: int, advantage: float):
+        request = AsyncRolloutRequest("r", 0, 0, [{"role": "user", "content": "q"}])
+        request.prompt_ids = list(range(8, 8 + n))
+        request.append_generated([30 + n, 31, 32], [-1.0, -1.2, -0.9], 0)
+        return trajectory_sample(request, advantage)
+
+    samples = [sample(n, a) for n, a in ((3, 1.0), (9, -0.5), (5, 0.25), (14, -0.75))]
+    gradients = []
+    for tokens in (None, micro_batch_tokens):
+        trainer = GRPOTrainer(config(tmp_path, tiny_model_dir, micro_batch_tokens=tokens))
+        seen: dict[str, torch.Tensor] = {}
+
+        def record(seen=seen, model=trainer.model) -> None:  # the gradient the optimizer would apply
+            seen.update({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+        trainer.optimizer.step = record
+        trainer.update(samples)
+        gradients.append(seen)
+    assert gradients[0].keys() == gradients[1].keys() and gradients[0]
+    for name, grad in gradients[0].items():
+        assert torch.allclose(grad, gradients[1][name], rtol=1e-5, atol=1e-8), name

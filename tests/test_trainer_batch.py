@@ -71,3 +71,14 @@ def test_micro_batches_cover_every_sample_once_grouped_by_length():
     chunks = micro_batches(samples, 4)
     assert [len(c) for c in chunks] == [4, 4, 1]
     assert sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in samples)
+
+
+def test_micro_batches_keep_to_a_padded_token_budget_and_a_long_sample_goes_alone():
+    samples = step_samples(three_step_request(1.0), [0.1, 0.2, 0.3]) * 3
+    lengths = sorted(len(s.input_ids) for s in samples)
+    budget = 2 * lengths[-1]  # two of the longest fit, three do not
+    chunks = micro_batches(samples, 16, max_tokens=budget)
+    assert all(len(c) * max(len(s.input_ids) for s in c) <= budget for c in chunks)
+    assert len(chunks) > 1 and sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in samples)
+    alone = micro_batches(samples, 16, max_tokens=1)
+    assert [len(c) for c in alone] == [1] * len(samples)

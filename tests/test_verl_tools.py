@@ -363,3 +363,32 @@ def test_rallyrl_rollout_runs_a_plain_function_tool(tmp_path):
     calls = [c for t in trajectories for c in t["tool_calls"] if c["error"] is None]
     assert calls, "the embedded model called no tool"
     assert all(c["text"] == user.evaluate(c["arguments"]["expression"]) for c in calls)
+
+
+def test_verls_own_gsm8k_tool_yaml_loads_on_the_answer_checker(tmp_path):
+    """verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as it is: its class
+    is not in verl 0.9 from PyPI, so rallyrl's answer checker stands in under verl's tool name."""
+    from tools.answer_check import AnswerCheckTool
+    from tools.registry import load_tools
+
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text("""
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+""")
+    tools = load_tools(path)
+    assert list(tools) == ["calc_gsm8k_reward"] and isinstance(tools["calc_gsm8k_reward"], AnswerCheckTool)

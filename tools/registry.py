@@ -36,6 +36,9 @@ from tools.verl_compat import VerlTool, is_verl_style, schema_dict
 DEFAULT_TOOLS = [{"class_name": "tools.calculator:CalculatorTool"}]
 FIELDS = {"class_name", "config", "schema", "tool_schema", "mcp"}
 MCP_CLASS_NAMES = {"tools.mcp:MCPTool", "tools.mcp.MCPTool"}
+VERL_ALIASES = {"verl.tools.gsm8k_tool.Gsm8kTool": "tools.answer_check:AnswerCheckTool"}
+"""verl's built-in tools that verl 0.9 from PyPI no longer ships, used where they do not import: verl's
+GSM8K tool YAML (``calc_gsm8k_reward``) then runs as it is, on rallyrl's answer checker."""
 
 
 class ToolConfigError(ValueError):
@@ -99,7 +102,12 @@ def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
     if not isinstance(class_name, str):
         raise ToolConfigError(f"{where}.class_name: expected an import path like 'pkg.module:Class'")
     try:
-        target = import_class(class_name, (Path.cwd(), source_dir))
+        try:
+            target = import_class(class_name, (Path.cwd(), source_dir))
+        except ImportError:
+            if class_name not in VERL_ALIASES:
+                raise
+            target = import_class(VERL_ALIASES[class_name])
     except ImportError as exc:
         raise ToolConfigError(f"{where}.class_name: cannot import {class_name!r}: {exc}") from None
     except Exception as exc:  # the module itself fails: a syntax error, an error at import, a relative path

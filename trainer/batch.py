@@ -134,7 +134,16 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
     return TrainBatch(input_ids, attention_mask, position_ids, loss_mask, engine_logprobs, advantages)
 
 
-def micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
-    """Consecutive chunks of at most ``size`` samples, sorted by length so padding stays small."""
-    ordered = sorted(samples, key=lambda s: len(s.input_ids))
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+def micro_batches(samples: list[Sample], size: int, max_tokens: int | None = None) -> list[list[Sample]]:
+    """Consecutive chunks of at most ``size`` samples, sorted by length so padding stays small, and
+    of at most ``max_tokens`` padded tokens (rows x the longest; a longer sample goes alone), so a
+    few long conversations cannot blow up a forward pass."""
+    chunks: list[list[Sample]] = []
+    for sample in sorted(samples, key=lambda s: len(s.input_ids)):
+        chunk = chunks[-1] if chunks else None
+        fits = max_tokens is None or (len(chunk or ()) + 1) * len(sample.input_ids) <= max_tokens
+        if chunk is None or len(chunk) >= size or not fits:
+            chunks.append([sample])
+        else:
+            chunk.append(sample)
+    return chunks

@@ -123,6 +123,10 @@ class GRPOConfig(PromptsConfig):
     micro_batch_size: int = 16
     """Sequences per forward/backward; gradients accumulate over a step's micro-batches (the
     result does not depend on it)."""
+    micro_batch_tokens: int | None = 8192
+    """Most padded tokens (sequences x the longest) per forward/backward: long conversations go in
+    smaller micro-batches (verl's dynamic batch size), since attention's memory grows with the
+    square of the length. None: ``micro_batch_size`` alone. The result does not depend on it."""
 
     # --- bookkeeping ---
     checkpoint_every: int = 10
@@ -145,6 +149,8 @@ class GRPOConfig(PromptsConfig):
         for name in ("steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.checkpoint_every < 0 or self.warmup_steps < 0:
             raise ValueError("checkpoint_every and warmup_steps must be >= 0")
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:

@@ -258,7 +258,7 @@ class GRPOTrainer:
         """ppo_epochs optimizer steps over ``samples``; the loss is normalised by global counts."""
         config, accelerator = self.config, self.accelerator
         self.model.train()
-        chunks = micro_batches(samples, config.micro_batch_size)
+        chunks = micro_batches(samples, config.micro_batch_size, config.micro_batch_tokens)
         batches = [collate(chunk, self.tokenizer.pad_token_id or 0).to(accelerator.device) for chunk in chunks]
         local_tokens = sum(float(b.loss_mask[:, 1:].sum()) for b in batches)
         local_seqs = sum(int((b.loss_mask[:, 1:].sum(1) > 0).sum()) for b in batches)
