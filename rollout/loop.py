@@ -51,7 +51,7 @@ class UserTurns:
     """The interaction (the user's side) of one request: which one, its instance and its kwargs."""
 
     interaction: Any  # rollout.interactions.BaseInteraction or any class with verl's interface
-    kwargs: dict[str, Any]
+    kwargs: dict[str, Any]  # the record's interaction_kwargs, given to each of its coroutines
     instance_id: str | None = None  # set once start_interaction returned
 
 
@@ -72,7 +72,7 @@ def user_turns_for(request: AsyncRolloutRequest, interactions: dict[str, Any] | 
             f"interaction_kwargs.name: {name!r} names no interaction of the interaction config "
             f"(it has {', '.join(sorted(interactions)) or 'none'})"  # type: ignore[arg-type]
         )
-    return UserTurns(interaction, {k: v for k, v in kwargs.items() if k != "name"})
+    return UserTurns(interaction, dict(kwargs))  # passed on whole, name included, as verl passes them
 
 
 async def run_request(
