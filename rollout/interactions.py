@@ -28,9 +28,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import orjson
-import yaml
-
 from data.rewards import score_answer
 
 VERL_ALIASES = {
@@ -193,16 +190,10 @@ def _default_name(cls: type) -> str:
 
 def load_interactions(path: str | Path) -> dict[str, Any]:
     """Read verl's interaction config (YAML or JSON, a top-level ``interaction:`` list) and build it."""
+    from tools.registry import read_config_file
+
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InteractionConfigError(f"{path}: cannot read interaction config: {exc.strerror}") from None
-    try:
-        data = orjson.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
-    except (orjson.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise InteractionConfigError(f"{path}: not valid {kind}: {' '.join(str(exc).split())}") from None
+    data = read_config_file(path, "interaction config", InteractionConfigError)
     entries = data.get("interaction", data.get("interactions")) if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise InteractionConfigError(f"{path}: expected a top-level 'interaction:' list")

@@ -153,19 +153,22 @@ def _schema(raw: Any, where: str) -> dict[str, Any] | None:
     return schema
 
 
-def load_tools(path: str | Path) -> dict[str, BaseTool]:
-    """Read a YAML (``.yaml``/``.yml``) or JSON tool config and build its tools."""
-    path = Path(path)
+def read_config_file(path: Path, what: str, error: type[ValueError] = ToolConfigError) -> Any:
+    """A YAML (``.yaml``/``.yml``) or JSON config file's content; ``error`` names the file and what is wrong."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise ToolConfigError(f"{path}: cannot read tool config: {exc.strerror}") from None
+        raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
     try:
-        data = orjson.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
+        return orjson.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
     except (orjson.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ToolConfigError(
-            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {_one_line(exc)}"
-        ) from None
+        raise error(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {_one_line(exc)}") from None
+
+
+def load_tools(path: str | Path) -> dict[str, BaseTool]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON tool config and build its tools."""
+    path = Path(path)
+    data = read_config_file(path, "tool config")
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
         raise ToolConfigError(f"{path}: expected a top-level 'tools:' list")
     return build_tools(data["tools"], str(path), path.parent)
