@@ -88,16 +88,22 @@ CURVES = (
 )
 
 
+USER_TURNS_CURVE = ("rollout/user_turns", "rollout/user_turns (per request: attempts)")
+"""Added to the curves of a run with an interaction (the answer checker: attempts per request)."""
+
+
 def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
-    """Reward, accuracy, tool calls and entropy per step, one PNG (written atomically)."""
+    """Reward, accuracy, tool calls and entropy per step (and user turns, with an interaction),
+    one PNG (written atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [m["step"] for m in history]
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.6))
-    for axis, (key, title) in zip(axes, CURVES, strict=True):
+    curves = [*CURVES, USER_TURNS_CURVE] if any(USER_TURNS_CURVE[0] in m for m in history) else list(CURVES)
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6))
+    for axis, (key, title) in zip(axes, curves, strict=True):
         values = np.array([_value(m, key) for m in history], dtype=float)
         axis.plot(steps, values, marker="o", markersize=3, label="per step")
         if len(values) >= 5:
