@@ -44,6 +44,9 @@ _NUMBER_RE = re.compile(_NUMBER)
 _SLASH_RE = re.compile(rf"({_NUMBER})/({_NUMBER})")
 _LATEX_FRAC_RE = re.compile(rf"([-+]?)\\[dt]?frac(?:\{{({_NUMBER})\}}\{{({_NUMBER})\}}|(\d)(\d))")
 _BIG_BINOMIAL_RE = re.compile(r"(?:binom|choose).*(?:\d{5}|\^)", re.DOTALL)
+_HUGE_EXPONENT_RE = re.compile(r"\d\.?\s*[eE]\s*[+-]?\s*\d{4,}")
+"""Scientific notation with a 4-digit exponent: sympy turns ``2E+99999999`` into an exact rational
+first, which takes gigabytes (a model's garbage answer once took 17 GB)."""
 
 
 class _DisabledTimeoutWarning(logging.Filter):
@@ -211,7 +214,7 @@ def _is_safe(expr: Any) -> bool:
 def _math_verify_equal(predicted: str, ground_truth: str) -> bool:
     """math-verify's verdict on two normalised answers, each wrapped in ``$...$``; timeouts disabled."""
     for text in (predicted, ground_truth):
-        if len(text) > MAX_ANSWER_CHARS or _BIG_BINOMIAL_RE.search(text):
+        if len(text) > MAX_ANSWER_CHARS or _BIG_BINOMIAL_RE.search(text) or _HUGE_EXPONENT_RE.search(text):
             return False
     gold = parse(f"${ground_truth}$", parsing_timeout=None)
     target = parse(f"${predicted}$", parsing_timeout=None)

@@ -24,6 +24,7 @@ a limit; verl's ``Gsm8kInteraction`` resolves to it) and ``rollout.simulated_use
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,8 @@ class AnswerChecker(BaseInteraction):
     ) -> tuple[bool, str, float, dict[str, Any]]:
         state = self._instances[instance_id]
         state["attempts"] += 1
-        state["score"] = score_answer(last_assistant_text(messages), state["ground_truth"])
+        # math-verify's symbolic fallback can take a while: keep it off the event loop
+        state["score"] = await asyncio.to_thread(score_answer, last_assistant_text(messages), state["ground_truth"])
         metadata = {"attempt": state["attempts"], "correct": state["score"] == 1.0}
         if state["score"] == 1.0:
             return True, self.correct_message, 1.0, metadata
