@@ -267,29 +267,3 @@ def test_the_shared_prefix_is_the_longest_common_one_when_long_enough():
     assert shared_prefix_length([header, header + [1]]) == len(header)
     assert shared_prefix_length([header[:40] + [1], header[:40] + [2]]) == 0  # too short to be worth it
     assert shared_prefix_length([header]) == 0
-
-
-async def test_the_kv_buffer_stays_near_the_longest_row_when_a_long_row_leaves(tiny_model, tokenizer, monkeypatch):
-    """Rows share columns, so the gaps a long conversation leaves cost every row: the buffer is
-    compacted before they reach half the longest row (a multi-turn rollout once held 17 GB of gaps)."""
-    seen: list[tuple[int, int, int, int]] = []  # longest row and width before a step, width and capacity after
-    decode = LocalEngine._decode
-
-    def recording(self) -> None:
-        longest, width = max(s.length for s in self._running), self._kv.width
-        decode(self)
-        seen.append((longest, width, self._kv.width, self._kv.col_capacity))
-
-    monkeypatch.setattr(LocalEngine, "_decode", recording)
-    first, second = prompts(tokenizer, 2)
-
-    async with LocalEngine(tiny_model, LocalEngineConfig(max_batch_size=8)) as engine:
-        sampling = SamplingParams(max_new_tokens=400, temperature=1.0)
-        long = asyncio.create_task(engine.generate(first, sampling, "long"))
-        while not seen or seen[-1][0] < 250:  # the second joins when the first is 250 tokens long
-            await asyncio.sleep(0.002)
-        later = await engine.generate(second, SamplingParams(max_new_tokens=300, temperature=1.0), "later")
-        assert len((await long).output_ids) == 400 and len(later.output_ids) == 300
-    assert max(before - longest for longest, before, _, _ in seen) > 200  # when the first left, a gap remained
-    assert all(after <= longest + longest // 2 + 65 for longest, _, after, _ in seen)
-    assert max(capacity for *_, capacity in seen) <= 1.5 * max(longest for longest, *_ in seen) + 128

@@ -55,8 +55,7 @@ class KVBuffer:
         self.mask = mask
 
     def reserve(self, rows: int, cols: int) -> None:
-        """Make room for ``rows`` rows and ``cols`` columns, growing geometrically to amortise copies:
-        rows x2, columns x1.5 in steps of 64 (every row pays for every column)."""
+        """Make room for ``rows`` rows and ``cols`` columns (doubling, to amortise copies)."""
         if rows <= self.row_capacity and cols <= self.col_capacity:
             return
         new_rows = self.row_capacity
@@ -64,7 +63,7 @@ class KVBuffer:
             new_rows *= 2
         new_cols = self.col_capacity
         while new_cols < cols:
-            new_cols = -(-(new_cols * 3 // 2) // 64) * 64
+            new_cols *= 2
         self._allocate(new_rows, new_cols)
 
     def remove_row(self, row: int) -> int | None:

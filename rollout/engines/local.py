@@ -425,9 +425,8 @@ class LocalEngine:
         kv, running, device = self._kv, self._running, self.device
         rows = len(running)
         longest = max(s.length for s in running)
-        # compact when a third of the shared columns are gaps, or before growing the buffer for any:
-        # every row pays for every column, so gaps left by long conversations cost rows x gap
-        if kv.width > longest + longest // 2 + 64 or (kv.width + 1 > kv.col_capacity and kv.width > longest + 64):
+        # compact when the shared columns are mostly gaps, or before growing the buffer for them
+        if kv.width > 4 * longest + 64 or (kv.width + 1 > kv.col_capacity and kv.width > 2 * longest):
             kv.compact()
         kv.reserve(rows, kv.width + 1)
         column = kv.width
