@@ -389,12 +389,13 @@ def test_records_with_interaction_kwargs_and_no_interaction_config_stay_single_a
 
 
 def test_training_on_calc_retry_takes_fewer_attempts_and_ends_right_more_often(tmp_path):
-    """Two GRPO steps of the shipped calc-retry config (the embedded model, the answer checker):
+    """Two GRPO steps of the shipped calc-retry config, 4 samples per prompt (the embedded model,
+    the answer checker):
     the mean attempts per request fall and the accuracy after the last attempt rises (the whole
     run's curves are in README)."""
     out = tmp_path / "run"
-    done = run_cli("train", "--config", "data/configs/grpo_calc_retry.yaml", "--steps", "2", "--out", str(out),
-                   "--no-progress", timeout=600)  # fmt: skip
+    done = run_cli("train", "--config", "data/configs/grpo_calc_retry.yaml", "--steps", "2", "-n", "4",
+                   "--out", str(out), "--no-progress", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = history[0], history[-1]
