@@ -424,16 +424,16 @@ def test_a_verl_record_and_interaction_config_run_in_rollout_and_train_unchanged
                               for i in range(2)))  # fmt: skip
     config = write(tmp_path, VERL_INTERACTION_CONFIG)
     out = tmp_path / "rollouts.jsonl"
-    done = run_cli("rollout", "--data", str(data), "--interactions", str(config), "-n", "2", "--out", str(out),
-                   "--max-new-tokens", "48", "--no-progress")  # fmt: skip
+    done = run_cli("rollout", "--data", str(data), "--interactions", str(config), "-n", "4", "--out", str(out),
+                   "--max-new-tokens", "128", "--no-progress")  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 4 and all(r["consistency_diff"] is None for r in records)
+    assert len(records) == 8 and all(r["consistency_diff"] is None for r in records)
     assert any(r["interaction_turns"] for r in records)
     assert all(r["interaction_turns"] for r in records if r["finish_reason"] == "stop")  # the checker had its turn
     run = tmp_path / "run"
     done = run_cli("train", "--data", str(data), "--set", f"interactions={config}", "--steps", "1",
-                   "--prompts-per-step", "2", "-n", "2", "--set", "rollout.max_new_tokens=48", "--out", str(run),
+                   "--prompts-per-step", "2", "-n", "4", "--set", "rollout.max_new_tokens=128", "--out", str(run),
                    "--no-progress")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     step = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
