@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ VERL_ALIASES = {
 """verl's built-in interactions, used where verl itself is not installed (verl 0.9 no longer ships them)."""
 
 
-class BaseInteraction:
+class BaseInteraction(ABC):
     """The user's side of a conversation (verl's ``BaseInteraction``). Subclasses override
     ``generate_response`` and, for per-request state, the other coroutines; the defaults keep an
     empty state dict per instance. An interaction that opens connections (a simulated user over
@@ -55,11 +56,11 @@ class BaseInteraction:
         self._instances[instance_id] = dict(kwargs)
         return instance_id
 
+    @abstractmethod
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
     ) -> tuple[bool, str, float, dict[str, Any]]:
         """The user's reply to the conversation so far: (should_terminate, text, turn score, metadata)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement generate_response")
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         """The instance's score at the end of the request (0 unless the interaction scores)."""

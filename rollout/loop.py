@@ -57,20 +57,22 @@ class UserTurns:
 
 def user_turns_for(request: AsyncRolloutRequest, interactions: dict[str, Any] | None) -> UserTurns | None:
     """The interaction named by the request's ``interaction_kwargs`` (None without interactions
-    or kwargs). An unknown name is a ValueError naming the request."""
-    kwargs = request.extra.get("interaction_kwargs") if interactions else None
+    or kwargs). An unknown name is a ValueError, which ends this request."""
+    if not interactions:
+        return None
+    kwargs = request.extra.get("interaction_kwargs")
     if not kwargs:
         return None
     if not isinstance(kwargs, dict):
         raise ValueError(f"interaction_kwargs: expected a mapping, got {type(kwargs).__name__}")
     name = kwargs.get("name")
-    if name is None and len(interactions) == 1:  # type: ignore[arg-type]
-        name = next(iter(interactions))  # type: ignore[arg-type]
-    interaction = interactions.get(name) if isinstance(name, str) else None  # type: ignore[union-attr]
+    if name is None and len(interactions) == 1:
+        name = next(iter(interactions))
+    interaction = interactions.get(name) if isinstance(name, str) else None
     if interaction is None:
         raise ValueError(
             f"interaction_kwargs.name: {name!r} names no interaction of the interaction config "
-            f"(it has {', '.join(sorted(interactions)) or 'none'})"  # type: ignore[arg-type]
+            f"(it has {', '.join(sorted(interactions))})"
         )
     return UserTurns(interaction, dict(kwargs))  # passed on whole, name included, as verl passes them
 

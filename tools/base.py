@@ -57,9 +57,10 @@ class BaseTool(ABC):
         self._instances: dict[str, dict[str, Any]] = {}
 
     @classmethod
-    @abstractmethod
     def default_schema(cls) -> dict[str, Any]:
-        """The OpenAI function schema used when the config gives none."""
+        """The OpenAI function schema used when the config gives none. Tools whose schema always comes
+        from elsewhere (a function, a verl class, an MCP server) keep this refusal."""
+        raise ValueError(f"{cls.__name__} has no default schema: give one under 'schema' in the tool config")
 
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         """Start a per-request instance and return its id."""

@@ -40,10 +40,6 @@ class FunctionTool(BaseTool):
         self.fn = fn
         super().__init__(schema=schema or derive_schema(fn))
 
-    @classmethod
-    def default_schema(cls) -> dict[str, Any]:
-        raise NotImplementedError("a FunctionTool's schema comes from its function")
-
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResponse:
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**parameters)

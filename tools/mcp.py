@@ -77,10 +77,6 @@ class MCPTool(BaseTool):
         self.limiter = limiter
         self.timeout_s = float(self.config.get("timeout", DEFAULT_TIMEOUT_S))
 
-    @classmethod
-    def default_schema(cls) -> dict[str, Any]:
-        raise ValueError("an MCP tool's schema comes from its server")
-
     @property
     def live_instances(self) -> int:
         """How many per-request instances are created and not yet released."""

@@ -102,10 +102,6 @@ class VerlTool(BaseTool):
             raise ValueError(f"{tool_class.__name__} has no tool schema: give one under 'tool_schema'")
         return cls(tool, schema)
 
-    @classmethod
-    def default_schema(cls) -> dict[str, Any]:
-        raise NotImplementedError("a VerlTool always has the schema it was built with")
-
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         result = await self.tool.create(instance_id, **_create_arguments(self.tool.create, create_kwargs))
         instance_id = result[0] if isinstance(result, tuple) and result else result
