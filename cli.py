@@ -29,8 +29,9 @@ app = typer.Typer(
 
 CONFIG_HELP = "YAML file of config fields (`rallyrl config --show` lists them); flags override it."
 SET_HELP = "Override any field, e.g. --set rollout.tool_timeout_s=5 (repeatable; the value is YAML)."
+AGENT_HELP = "Agent entry point, module:function or file.py:function, run through the agent gateway."
 ENGINE_SERVER_HELP = 'What serves --engine-url: "sglang" (or `rallyrl serve`), "vllm", or "auto" (ask it; default).'
-COMMANDS = ("rollout", "train", "eval", "serve", "sft")
+COMMANDS = ("rollout", "train", "eval", "serve", "sft", "gateway")
 
 
 @contextlib.contextmanager
@@ -45,10 +46,10 @@ def _errors_for_people():
 
 
 def _config_class(command: str) -> type:
-    if command in ("rollout", "serve"):
-        from rollout.config import RolloutJobConfig, ServeConfig
+    if command in ("rollout", "serve", "gateway"):
+        from rollout.config import GatewayJobConfig, RolloutJobConfig, ServeConfig
 
-        return RolloutJobConfig if command == "rollout" else ServeConfig
+        return {"rollout": RolloutJobConfig, "serve": ServeConfig, "gateway": GatewayJobConfig}[command]
     from trainer.config import EvalConfig, GRPOConfig, SFTConfig
 
     return {"train": GRPOConfig, "eval": EvalConfig, "sft": SFTConfig}[command]
@@ -100,6 +101,7 @@ def rollout(
     model: Path = typer.Option(None, help="Model directory (default: embedded); with --engine-url, its tokenizer."),
     tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
     interactions: Path = typer.Option(None, help="Interaction config (verl's interaction YAML): the user's turns."),
+    agent: str = typer.Option(None, help=AGENT_HELP),
     out: Path = typer.Option(None, help="Output JSONL, one trajectory per line (default: rollouts.jsonl)."),
     max_concurrency: int = typer.Option(None, help="Requests in flight at once."),
     max_turns: int = typer.Option(None, help="Most assistant turns per request."),
@@ -127,7 +129,8 @@ def rollout(
     the same command with --resume runs the rest."""
     flags = {
         "task": task, "data": data, "num_prompts": num_prompts, "samples_per_prompt": samples_per_prompt,
-        "model": model, "tools": tools, "interactions": interactions, "out": out, "seed": seed, "resume": resume,
+        "model": model, "tools": tools, "interactions": interactions, "agent": agent, "out": out, "seed": seed,
+        "resume": resume,
         "reward": reward,
         "threads": threads, "progress": progress, "rollout.max_concurrency": max_concurrency,
         "rollout.max_turns": max_turns, "rollout.max_new_tokens": max_new_tokens,
@@ -176,6 +179,7 @@ def train(
     model: Path = typer.Option(None, help="Model directory to start from (default: the embedded model)."),
     task: str = typer.Option(None, help="Synthetic task (default: calc)."),
     data: Path = typer.Option(None, help="Dataset file instead of a task."),
+    agent: str = typer.Option(None, help=AGENT_HELP),
     prompts_per_step: int = typer.Option(None, help="Prompts (groups) per step."),
     samples_per_prompt: int = typer.Option(None, "-n", "--samples-per-prompt", help="Samples per prompt."),
     lr: float = typer.Option(None, help="Learning rate."),
@@ -195,7 +199,8 @@ def train(
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
     flags = {
-        "steps": steps, "out": out, "model": model, "task": task, "data": data, "prompts_per_step": prompts_per_step,
+        "steps": steps, "out": out, "model": model, "task": task, "data": data, "agent": agent,
+        "prompts_per_step": prompts_per_step,
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
         "engine.urls": engine_url or None, "engine.server": engine_server, "threads": threads, "progress": progress,
         "async_rl": async_rl, "max_staleness": max_staleness,
@@ -273,6 +278,7 @@ def evaluate(
     ),
     tools: Path = typer.Option(None, help="Tool config (YAML or JSON); default: the calculator."),
     interactions: Path = typer.Option(None, help="Interaction config (verl's interaction YAML): the user's turns."),
+    agent: str = typer.Option(None, help=AGENT_HELP),
     max_turns: int = typer.Option(None, help="Most assistant turns per request (default 3)."),
     max_new_tokens: int = typer.Option(None, help="Most tokens per assistant turn (default 96)."),
     engine_url: list[str] = typer.Option(None, help="Evaluate a model served here (SGLang, vLLM or `rallyrl serve`)."),
@@ -285,7 +291,7 @@ def evaluate(
     """Greedy accuracy and unbiased pass@k of a model on a task or dataset, overall and per data_source."""
     flags = {
         "model": model, "task": task, "data": data, "num_prompts": num_prompts, "seed": seed,
-        "samples_per_prompt": samples_per_prompt, "tools": tools, "interactions": interactions,
+        "samples_per_prompt": samples_per_prompt, "tools": tools, "interactions": interactions, "agent": agent,
         "rollout.max_turns": max_turns,
         "rollout.max_new_tokens": max_new_tokens, "engine.urls": engine_url or None, "json": json_out,
         "engine.server": engine_server, "report": report_md, "threads": threads, "progress": progress,
@@ -382,6 +388,51 @@ async def _serve(config: Any) -> None:
             console.print(f"injecting faults into /generate: {faults.error_rate:.1%} errors, {faults.hang_rate:.1%} "
                           f"hangs, {faults.drop_rate:.1%} drops (seed {faults.seed})", highlight=False)  # fmt: skip
         await task
+
+
+@app.command()
+def gateway(
+    config: Path = typer.Option(None, help=CONFIG_HELP),
+    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    model: Path = typer.Option(None, help="Model directory (default: embedded); with --engine-url, its tokenizer."),
+    host: str = typer.Option(None, help="Interface to bind (default 127.0.0.1, loopback)."),
+    port: int = typer.Option(None, help="Port (default 8100; 0: pick a free one)."),
+    out: Path = typer.Option(None, help="JSONL of finished sessions, one trajectory each (default: sessions.jsonl)."),
+    sampling: str = typer.Option(None, help='"rollout": the config\'s sampling for every call (default); "request".'),
+    max_sessions: int = typer.Option(None, help="Most sessions open at once (default 4096)."),
+    max_turns: int = typer.Option(None, help="Most assistant turns per session."),
+    max_new_tokens: int = typer.Option(None, help="Most tokens per answer."),
+    max_model_len: int = typer.Option(None, help="Most tokens per conversation."),
+    temperature: float = typer.Option(None, help="Sampling temperature (with --sampling rollout)."),
+    reward: str = typer.Option(None, help="Reward of sessions none is posted for (data/reward_fns.py)."),
+    engine_url: list[str] = typer.Option(None, help="SGLang, vLLM or `rallyrl serve` server URL; repeat for a pool."),
+    engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
+    device: str = typer.Option(None, help='Embedded engine device: "auto", "cpu" or "cuda".'),
+    seed: int = typer.Option(None, help="Seed of the engine's sampling."),
+    threads: int = typer.Option(None, help="torch intra-op threads."),
+) -> None:
+    """The agent gateway: an OpenAI-compatible endpoint that records each agent run (a session) token
+    for token. POST /sessions opens one; its base URL goes to any OpenAI client; finished sessions
+    are written to --out as trajectories (train on them, `rallyrl show` them)."""
+    flags = {
+        "model": model, "gateway.host": host, "gateway.port": port, "out": out, "gateway.sampling": sampling,
+        "gateway.max_sessions": max_sessions, "rollout.max_turns": max_turns, "rollout.max_new_tokens": max_new_tokens,
+        "rollout.max_model_len": max_model_len, "rollout.temperature": temperature, "reward": reward,
+        "engine.urls": engine_url or None, "engine.server": engine_server, "engine.local.device": device,
+        "seed": seed, "threads": threads,
+    }  # fmt: skip
+    from rollout.api import serve_gateway
+
+    with _errors_for_people():
+        gateway_config = _load("gateway", config, flags, set_)
+    try:
+        with _errors_for_people():
+            asyncio.run(serve_gateway(gateway_config, console))
+    except OSError as exc:
+        raise _fail(f"cannot serve on {gateway_config.gateway.host}:{gateway_config.gateway.port}: "
+                    f"{exc.strerror or exc}") from None  # fmt: skip
+    except KeyboardInterrupt:
+        console.print(f"gateway stopped; finished sessions are in {gateway_config.out}")
 
 
 @app.command()

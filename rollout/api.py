@@ -15,6 +15,7 @@ except progress bars.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
@@ -23,13 +24,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from data.reward_fns import RewardFn
 from data.schema import Record
-from rollout.config import JudgeConfig, PromptsConfig, RolloutConfig, RolloutJobConfig
+from rollout.config import GatewayConfig, GatewayJobConfig, JudgeConfig, PromptsConfig, RolloutConfig, RolloutJobConfig
 from rollout.engines.base import Engine
 from rollout.engines.config import EngineConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from rollout.agents import AgentDriver
     from rollout.judge import Judge
     from rollout.runner import RolloutResult, RolloutSummary
     from rollout.tokens import ChatTokenizer
@@ -171,6 +173,8 @@ class RolloutCommand(Protocol):
     model: str | None
     tools: str | None
     interactions: str | None
+    agent: str | None
+    gateway: GatewayConfig
     reward: str | None
     seed: int
     rollout: RolloutConfig
@@ -187,6 +191,24 @@ class Session:
     tools: dict[str, BaseTool]
     reward_fn: RewardFn
     interactions: dict[str, Any]
+    agent: AgentDriver | None = None
+
+
+@contextlib.asynccontextmanager
+async def agent_gateway(config: RolloutCommand, engine: Engine, tokenizer: Any, reward_fn: RewardFn,
+                        model_dir: Path) -> AsyncIterator[AgentDriver | None]:  # fmt: skip
+    """With ``config.agent``: the gateway in front of ``engine``, serving on loopback while the
+    context is open, and the driver that runs the agent through it; else None."""
+    if not config.agent:
+        yield None
+        return
+    from rollout.agents import AgentDriver, load_agent
+    from rollout.gateway import Gateway
+
+    agent = load_agent(config.agent)
+    async with Gateway(engine, tokenizer, config.gateway, config.rollout, reward_fn=reward_fn,
+                       model_name=model_dir.name) as gateway:  # fmt: skip
+        yield AgentDriver(gateway, agent, config.gateway.agent_timeout_s)
 
 
 @contextlib.asynccontextmanager
@@ -196,8 +218,13 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     from rollout.tokens import load_tokenizer
 
     model_dir = resolve_model(config.model)
-    tools, chat = setup_tools(config.tools, load_tokenizer(model_dir))
+    tokenizer = load_tokenizer(model_dir)
+    tools, chat = setup_tools(config.tools, tokenizer)
     interactions = setup_interactions(config.interactions)
+    if config.agent:
+        from rollout.agents import load_agent
+
+        load_agent(config.agent)  # a bad entry point fails before the engine starts
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:
@@ -206,7 +233,8 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
         await enter_interactions(stack, interactions)
         engine = open_engine(config.engine, model_dir, max_model_len=config.rollout.max_model_len, seed=config.seed)
         engine = await stack.enter_async_context(engine)
-        yield Session(engine, chat, tools, reward_fn, interactions)
+        agent = await stack.enter_async_context(agent_gateway(config, engine, tokenizer, reward_fn, model_dir))
+        yield Session(engine, chat, tools, reward_fn, interactions, agent)
 
 
 async def rollout(
@@ -225,7 +253,8 @@ async def rollout(
     records = load_prompts(config) if records is None else records
     async with rollout_session(config) as s:
         runner = RolloutRunner(s.engine, s.chat, s.tools, config.rollout, reward_fn=s.reward_fn,
-                               progress=config.progress, console=console, interactions=s.interactions)  # fmt: skip
+                               progress=config.progress, console=console, interactions=s.interactions,
+                               agent=s.agent)  # fmt: skip
         return await runner.run(records, config.samples_per_prompt, config.out, skip=skip, append=bool(skip))
 
 
@@ -243,3 +272,34 @@ async def rollout_summary(
     1,024 requests.)"""
     result = await rollout(config, records, skip=skip, console=console)
     return result.summary, len(result.requests)
+
+
+async def serve_gateway(config: GatewayJobConfig, console: Console | None = None) -> None:
+    """``rallyrl gateway``: the gateway in front of the configured engine until cancelled; each finished
+    session is appended to ``config.out`` as it finishes (sessions still open at exit are ended as aborted
+    and written too)."""
+    from rollout.gateway import Gateway, write_sessions
+    from rollout.tokens import load_tokenizer
+
+    set_threads(config.threads)
+    model_dir = resolve_model(config.model)
+    tokenizer = load_tokenizer(model_dir)
+    judge = make_judge(config.judge)
+    reward_fn = make_reward(config.reward, judge)
+    write, close = write_sessions(config.out)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if judge is not None:
+                await stack.enter_async_context(judge)
+            engine = open_engine(config.engine, model_dir, max_model_len=config.rollout.max_model_len,
+                                 seed=config.seed)  # fmt: skip
+            engine = await stack.enter_async_context(engine)
+            gateway = Gateway(engine, tokenizer, config.gateway, config.rollout, reward_fn=reward_fn,
+                              model_name=model_dir.name, on_finish=write)  # fmt: skip
+            await stack.enter_async_context(gateway)
+            if console is not None:
+                console.print(f"agent gateway for {model_dir} on {gateway.url} (POST /sessions opens a session; "
+                              f"finished sessions go to {config.out})", highlight=False)  # fmt: skip
+            await asyncio.Event().wait()
+    finally:
+        close()

@@ -149,6 +149,42 @@ class JudgeConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The agent gateway (``rollout/gateway.py``): an OpenAI-compatible endpoint that records each
+    agent run as a session, token for token, for training."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless you mean to expose it."""
+    port: int = 0
+    """Port (0: pick a free one; ``rallyrl gateway`` prints the URL)."""
+    sampling: Literal["rollout", "request"] = "rollout"
+    """rollout: every call samples with ``rollout``'s temperature, top_p, top_k and per-turn seed, and at
+    most ``rollout.max_new_tokens`` (what the trainer assumes; the agent's own values are ignored);
+    request: the values the agent sends (OpenAI's defaults where it sends none)."""
+    agent_timeout_s: float = 600.0
+    """Wall-clock limit of one agent run (the entry point's call); a slower run ends with an error."""
+    session_timeout_s: float = 600.0
+    """A session with no call for this long is ended (finish_reason abort) and its memory freed."""
+    max_sessions: int = 4096
+    """Most sessions open at once; creating another is refused (HTTP 429)."""
+    keep_finished: int = 256
+    """Finished sessions kept in memory for ``GET /sessions/{id}`` (the oldest are forgotten first)."""
+    served_model_name: str | None = None
+    """Model name in ``/v1/models`` (default: the model directory's name). Any name is accepted in requests."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"GatewayConfig.port must be in 0..65535, got {self.port}")
+        for name in ("agent_timeout_s", "session_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_sessions", "keep_finished"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
 class FaultConfig:
     """Faults injected into ``/generate`` (the shares are of calls; each call meets at most one)."""
 
@@ -219,6 +255,12 @@ class PromptsConfig(CommonConfig):
     """Interaction config (verl's ``interaction_config``: ``interaction: [{name, class_name, config}]``):
     the user's turns of records whose ``interaction_kwargs`` name one. None: records' interaction_kwargs
     are ignored (single-agent conversations)."""
+    agent: str | None = None
+    """Agent entry point, ``module:function`` (or ``path/to/file.py:function``): an async function
+    ``agent(base_url, record)`` that talks to an OpenAI-compatible ``base_url`` with its own tools and
+    control flow. Each run is recorded by the agent gateway as one trajectory (``gateway``); the
+    function may return the reward (else it is posted, or the reward function computes it). None:
+    rallyrl's own loop drives each conversation."""
     reward: str | None = None
     """Reward by data_source, e.g. "openai/gsm8k=math+0.1*format,default=math" (``data/reward_fns.py``);
     None: the graded answer where the record has a ground truth, else the sum of the tools' rewards.
@@ -232,6 +274,9 @@ class PromptsConfig(CommonConfig):
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.agent is not None and (self.tools is not None or self.interactions is not None):
+            raise ValueError("agent: the agent brings its own tools and plays its own user turns; "
+                             "leave tools and interactions unset")  # fmt: skip
 
     def check_judge(self, judge: JudgeConfig) -> None:
         """The reward and the judge agree: a ``judge`` reward has a URL, a URL has a reward using it."""
@@ -253,6 +298,8 @@ class RolloutJobConfig(PromptsConfig):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The agent gateway, used when ``agent`` is set."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -285,3 +332,25 @@ class ServeConfig(CommonConfig):
         from rollout.parsers import get_parser
 
         get_parser(self.tool_parser)
+
+
+@dataclass
+class GatewayJobConfig(CommonConfig):
+    """``rallyrl gateway``: the agent gateway in front of any engine; finished sessions go to ``out``."""
+
+    out: str = "sessions.jsonl"
+    """Output JSONL: one trajectory per finished session, written as each finishes."""
+    reward: str | None = None
+    """Reward of a session that none was posted for (``data/reward_fns.py``); None: the graded answer
+    where the session was opened with a ground truth, else 0."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Per-call limits and sampling (``gateway.sampling``), the tool-call parser, the token check."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=lambda: GatewayConfig(port=8100))
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        uses_judge = self.reward is not None and "judge" in self.reward
+        if uses_judge and not self.judge.url:
+            raise ValueError("the reward uses 'judge', so judge.url must name the judge's OpenAI-compatible URL")

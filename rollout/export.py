@@ -9,8 +9,10 @@ One row per trajectory, the columns named as the JSONL fields (``SCHEMA``):
   ``trace`` a list of structs (``state``, ``t``); ``reward`` is ``rewards.final``;
 - JSON text, where the shape is free or still growing: ``messages`` (a message may carry any
   keys), ``tool_calls`` (free-form ``arguments`` and ``metrics``), ``rewards`` (step, tools,
-  answer, final, judge, ...), ``metrics`` (per-state seconds), and ``extra``: the record's
-  top-level keys this schema does not know (null when there are none).
+  answer, final, judge, ...), ``metrics`` (per-state seconds), ``segments`` (a split gateway
+  session's earlier samples, each with its own messages and token lists; ``[]`` for every other
+  trajectory), and ``extra``: the record's top-level keys this schema does not know (null when
+  there are none).
 
 ``iter_parquet_trajectories`` gives the JSONL records back (JSON text decoded, ``extra`` merged
 in). The conversion streams: ``batch_size`` lines at a time are held in memory, and the output
@@ -52,13 +54,14 @@ SCHEMA = pa.schema(
         ("interaction_turns", pa.string()),  # JSON text: a list of InteractionTurn objects (null: an older file)
         ("metrics", pa.string()),  # JSON text: RequestMetrics
         ("consistency_diff", pa.string()),
+        ("segments", pa.string()),  # JSON text: a list of Segment objects (null: an older file)
         ("trace", pa.list_(pa.struct([("state", pa.string()), ("t", pa.float64())]))),
         ("trace_start", pa.float64()),
         ("extra", pa.string()),  # JSON text: unknown top-level keys, or null
     ]
 )
-JSON_COLUMNS = ("messages", "rewards", "tool_calls", "interaction_turns", "metrics")
-OPTIONAL_COLUMNS = ("interaction_turns",)
+JSON_COLUMNS = ("messages", "rewards", "tool_calls", "interaction_turns", "metrics", "segments")
+OPTIONAL_COLUMNS = ("interaction_turns", "segments")
 """Columns a trajectory written before them lacks: null in the row, left out of the record read back."""
 BATCH_SIZE = 1024
 """Trajectories converted (and held in memory) at a time."""

@@ -127,7 +127,7 @@ async def run_request(
             request.transition(RequestState.COMPLETED)
         try:
             if not cancelled:
-                await _score(request, created, chat, config, reward_fn, transcript, user)
+                await score_request(request, created, chat, config, reward_fn, transcript, user)
         finally:  # even when cancelled while scoring
             await _release(request, created, config, user)
     return request
@@ -367,7 +367,7 @@ def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
     return (seed * 1_000_003 + request.prompt_index * 10_007 + request.sample_index * 101 + turn) % 2**62
 
 
-async def _score(
+async def score_request(
     request: AsyncRolloutRequest,
     created: list[tuple[BaseTool, str]],
     chat: ChatTokenizer,

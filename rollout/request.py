@@ -56,6 +56,24 @@ class InteractionTurn:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Segment:
+    """An earlier sample of a gateway session (``rollout/gateway_session.py``): the agent rewrote the
+    conversation after it (truncated, summarised, edited), so the session went on in a new sample.
+    It is trained like the request's own tokens, with the session's reward; the request's own
+    ``prompt_ids``/``response_ids`` are the session's last sample."""
+
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    weight_versions: list[int | None]
+    turns: int  # assistant turns generated in this sample
+    split_reason: str  # why the session went on in a new sample after this one
+    consistency_diff: str | None = None
+
+
 @dataclass(slots=True)
 class TraceEvent:
     state: RequestState
@@ -83,6 +101,7 @@ class Rewards:
     reward_error: str | None = None  # why the reward function raised (final stays 0.0); not trained on
     interaction: float | None = None  # the interaction's calculate_score (None: no interaction)
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each user turn
+    posted: float | None = None  # the reward posted to the agent gateway for this session (it is the final)
 
 
 @dataclass
@@ -115,6 +134,8 @@ class AsyncRolloutRequest:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     trace: list[TraceEvent] = field(default_factory=list)
     consistency_diff: str | None = None
+    segments: list[Segment] = field(default_factory=list)
+    """Earlier samples of a gateway session whose history the agent rewrote; empty otherwise."""
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -181,6 +202,7 @@ class AsyncRolloutRequest:
             "interaction_turns": [asdict(turn) for turn in self.interaction_turns],
             "metrics": asdict(self.metrics),
             "consistency_diff": self.consistency_diff,
+            "segments": [asdict(segment) for segment in self.segments],
             "trace": [{"state": e.state.value, "t": round(e.t - start, 6)} for e in self.trace],
             "trace_start": start,
         }
@@ -203,29 +225,63 @@ def validate_trajectory(obj: Any) -> None:
         raise ValueError(f"state: expected 'completed', got {obj['state']!r}")
     if obj["finish_reason"] not in {reason.value for reason in FinishReason}:
         raise ValueError(f"finish_reason: unknown value {obj['finish_reason']!r}")
-    for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "messages", "tool_calls", "trace"):
+    for name in ("tool_calls", "trace"):
         if not isinstance(obj[name], list):
             raise ValueError(f"{name}: expected a list")
-    response, mask, logprobs = obj["response_ids"], obj["loss_mask"], obj["logprobs"]
-    if not (len(response) == len(mask) == len(logprobs)):
-        raise ValueError(
-            f"response_ids, loss_mask and logprobs differ in length ({len(response)}, {len(mask)}, {len(logprobs)})"
-        )
-    if not all(isinstance(t, int) for t in obj["prompt_ids"] + response):
-        raise ValueError("prompt_ids/response_ids: expected token ids (integers)")
-    for i, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):
-        if m not in (0, 1):
-            raise ValueError(f"loss_mask[{i}]: expected 0 or 1, got {m!r}")
-        if (m == 1) != isinstance(lp, (int, float)) or (m == 0 and lp is not None):
-            raise ValueError(f"logprobs[{i}]: must be a number where loss_mask is 1 and null where it is 0")
-    for i, message in enumerate(obj["messages"]):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}]: expected an object with a string 'content'")
-        if message.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}].role: unknown role {message.get('role')!r}")
+    _validate_sample(obj, "")
+    if "segments" in obj:  # a split gateway session's earlier samples (absent in older files)
+        _validate_segments(obj["segments"])
     if obj["reward"] is None:  # missing: allowed only where the judgment failed (rewards.judge_error)
         rewards = obj.get("rewards")
         if not isinstance(rewards, dict) or not isinstance(rewards.get("judge_error"), str):
             raise ValueError("reward: null is allowed only for a failed judgment (rewards.judge_error); none is set")
     elif not isinstance(obj["reward"], (int, float)):
         raise ValueError(f"reward: expected a number, got {obj['reward']!r}")
+
+
+def _validate_sample(obj: dict[str, Any], where: str) -> None:
+    """The tokens and messages of one sample: the trajectory's own (``where`` empty) or a segment's
+    (``where`` = ``"segments[i]."``, which prefixes every field named in an error)."""
+    for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "messages"):
+        if not isinstance(obj[name], list):
+            raise ValueError(f"{where}{name}: expected a list")
+    response, mask, logprobs = obj["response_ids"], obj["loss_mask"], obj["logprobs"]
+    if not (len(response) == len(mask) == len(logprobs)):
+        raise ValueError(
+            f"{where}response_ids, {where}loss_mask and {where}logprobs differ in length "
+            f"({len(response)}, {len(mask)}, {len(logprobs)})"
+        )
+    if not all(isinstance(t, int) for t in obj["prompt_ids"] + response):
+        raise ValueError(f"{where}prompt_ids/{where}response_ids: expected token ids (integers)")
+    for i, (m, lp) in enumerate(zip(mask, logprobs, strict=True)):
+        if m not in (0, 1):
+            raise ValueError(f"{where}loss_mask[{i}]: expected 0 or 1, got {m!r}")
+        if (m == 1) != isinstance(lp, (int, float)) or (m == 0 and lp is not None):
+            raise ValueError(f"{where}logprobs[{i}]: must be a number where loss_mask is 1 and null where it is 0")
+    for i, message in enumerate(obj["messages"]):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}messages[{i}]: expected an object with a string 'content'")
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"{where}messages[{i}].role: unknown role {message.get('role')!r}")
+
+
+SEGMENT_FIELDS = ("messages", "prompt_ids", "response_ids", "loss_mask", "logprobs", "turns", "split_reason")
+
+
+def _validate_segments(segments: Any) -> None:
+    """``segments``: a list of ``Segment`` objects, each checked as a sample of its own."""
+    if not isinstance(segments, list):
+        raise ValueError("segments: expected a list")
+    for i, segment in enumerate(segments):
+        where = f"segments[{i}]."
+        if not isinstance(segment, dict):
+            raise ValueError(f"segments[{i}]: expected an object")
+        missing = [name for name in SEGMENT_FIELDS if name not in segment]
+        if missing:
+            raise ValueError(f"segments[{i}]: missing field(s): {', '.join(missing)}")
+        _validate_sample(segment, where)
+        turns = segment["turns"]
+        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
+            raise ValueError(f"{where}turns: expected a count (an integer >= 0), got {turns!r}")
+        if not isinstance(segment["split_reason"], str):
+            raise ValueError(f"{where}split_reason: expected a string, got {segment['split_reason']!r}")

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
@@ -32,6 +32,9 @@ from rollout.request import AsyncRolloutRequest
 from rollout.stats import RolloutCounts, pass_at_n
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
+
+if TYPE_CHECKING:
+    from rollout.agents import AgentDriver
 
 
 @dataclass
@@ -122,9 +125,13 @@ class RolloutRunner:
         progress: bool = True,
         console: Console | None = None,
         interactions: dict[str, Any] | None = None,
+        agent: AgentDriver | None = None,
     ):
         self.engine, self.chat, self.tools = engine, chat, tools
         self.interactions = interactions
+        self.agent = agent
+        """An agent entry point driving each request through the gateway (``rollout/agents.py``), or None:
+        rallyrl's own loop (``run_request``) with ``tools`` and ``interactions``."""
         self.config = config or RolloutConfig()
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -170,8 +177,11 @@ class RolloutRunner:
             async with semaphore:
                 live.running += 1
                 try:
-                    await run_request(request, self.engine, self.chat, self.tools, self.config, self.reward_fn,
-                                      self.interactions)  # fmt: skip
+                    if self.agent is not None:
+                        await self.agent.run(request, self.config)
+                    else:
+                        await run_request(request, self.engine, self.chat, self.tools, self.config, self.reward_fn,
+                                          self.interactions)  # fmt: skip
                 finally:
                     live.running -= 1
             live.finished(request)

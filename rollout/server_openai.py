@@ -89,7 +89,7 @@ class OpenAIRoutes:
         tools = tools if isinstance(tools, list) and tools else None
         try:
             chat = ChatTokenizer(server.tokenizer, tools)
-            prompt_ids = chat.prompt_ids([_template_message(m, i) for i, m in enumerate(messages)])
+            prompt_ids = chat.prompt_ids([template_message(m, i) for i, m in enumerate(messages)])
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
         # SGLang keeps special tokens in the text when tools are given (the parser reads them)
@@ -308,7 +308,7 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
     return [s for s in stops if s]
 
 
-def _template_message(message: Any, index: int) -> dict[str, Any]:
+def template_message(message: Any, index: int) -> dict[str, Any]:
     """An OpenAI chat message as the chat template takes it: assistant tool calls written back
     in the model's own ``<tool_call>`` format, content parts joined into text."""
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):

@@ -11,6 +11,10 @@
    context (0), with token counts, positions, weight versions and mean logprob, then each span
    in its colour: decoded text with a tokenizer (``--model``), else a summary of the ids.
 
+A split gateway session (``segments``) shows each segment first, as "sample 1 of 3 — split:
+<split_reason>" with its conversation and token view, then the request's own (last) sample; the
+header counts the tokens of every sample, and turns are numbered over the whole session.
+
 Message text is printed as text, never as rich markup.
 """
 
@@ -96,7 +100,28 @@ def render(located: Located, path: str | Path, tokenizer: Any = None) -> Group:
     title = Text(f"trajectory {located.index} of {located.count} in {path} ({located.where})", style="bold")
     if located.count > 1:
         title.append(f"; --index 0..{located.count - 1} shows the others", style="dim")
-    return Group(title, _header(record), *_conversation(record), _token_view(record, tokenizer))
+    segments = _segments(record)
+    if not segments:
+        return Group(title, _header(record), *_conversation(record, record), _token_view(record, tokenizer))
+    parts: list[Any] = [title, _header(record)]
+    total, first = len(segments) + 1, 0
+    for number, segment in enumerate(segments, start=1):
+        parts.append(Text(f"sample {number} of {total} — split: {segment['split_reason']}", style="bold reverse"))
+        parts += _conversation(record, segment, first)
+        if segment.get("consistency_diff"):
+            parts.append(Text(f"consistency diff: {segment['consistency_diff']}", style="red"))
+        parts.append(_token_view(segment, tokenizer))
+        first += segment["turns"]
+    parts.append(Text(f"sample {total} of {total} — the session's last", style="bold reverse"))
+    last = {**record, "turns": max(record["turns"] - first, 0)}
+    parts += _conversation(record, last, first)
+    parts.append(_token_view(record, tokenizer))
+    return Group(*parts)
+
+
+def _segments(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The earlier samples of a split gateway session (none for other trajectories and older files)."""
+    return record.get("segments") or []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +134,8 @@ def _header(record: dict[str, Any]) -> Table:
     table.add_column()
     rewards = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
     calls = record["tool_calls"]
-    mask = record["loss_mask"]
+    samples = [*_segments(record), record]
+    mask = [m for sample in samples for m in sample["loss_mask"]]
     finish = record["finish_reason"]
     rows: list[tuple[str, Text]] = [
         ("request_id", Text(str(record["request_id"]))),
@@ -140,17 +166,22 @@ def _header(record: dict[str, Any]) -> Table:
         ended = any(t.get("terminated") for t in user_turns.values())
         text = f"{len(user_turns)} (scores {scores}){'; the interaction ended the conversation' if ended else ''}"
         rows.append(("user turns", Text(text)))
+    if len(samples) > 1:
+        reasons = "; ".join(f"after sample {n}: {s['split_reason']}" for n, s in enumerate(samples[:-1], start=1))
+        rows.append(("split session", Text(f"{len(samples)} samples, one reward ({reasons})")))
     trained = sum(mask)
+    prompt = sum(len(sample["prompt_ids"]) for sample in samples)
+    over = f", over {len(samples)} samples" if len(samples) > 1 else ""
     rows.append(
         (
             "tokens",
             Text(
-                f"prompt {len(record['prompt_ids'])}, response {len(mask)}: "
-                f"{trained} trained (loss_mask 1), {len(mask) - trained} context (loss_mask 0)"
+                f"prompt {prompt}, response {len(mask)}: "
+                f"{trained} trained (loss_mask 1), {len(mask) - trained} context (loss_mask 0){over}"
             ),
         )
     )
-    versions = Counter(v for v in record.get("weight_versions") or [] if isinstance(v, int))
+    versions = Counter(v for s in samples for v in s.get("weight_versions") or [] if isinstance(v, int))
     if versions:
         text = ", ".join(f"{v} ({n} tokens)" for v, n in sorted(versions.items()))
         rows.append(("weight versions", Text(text)))
@@ -209,13 +240,15 @@ def _running_seconds(trace: list[dict[str, Any]]) -> list[float]:
 # Conversation
 
 
-def _conversation(record: dict[str, Any]) -> list[Any]:
-    messages = record["messages"]
-    turns = record["turns"]
+def _conversation(record: dict[str, Any], sample: dict[str, Any], first: int = 0) -> list[Any]:
+    """The messages of ``sample`` (the record itself, or one of its segments) panel by panel; its
+    ``turns`` assistant turns are numbered after the session's ``first``, as its tool calls are."""
+    messages = sample["messages"]
+    turns = sample["turns"]
     assistant_at = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    generated = assistant_at[len(assistant_at) - turns :] if turns else []
-    turn_of = {at: k for k, at in enumerate(generated, start=1)}
-    spans = [span for span in _spans(record["loss_mask"]) if span[0] == 1]
+    generated = assistant_at[max(len(assistant_at) - turns, 0) :] if turns else []
+    turn_of = {at: k for k, at in enumerate(generated, start=first + 1)}
+    spans = [span for span in _spans(sample["loss_mask"]) if span[0] == 1]
     running = _running_seconds(_trace(record))
     calls_by_turn: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for call in record["tool_calls"]:
@@ -232,8 +265,8 @@ def _conversation(record: dict[str, Any]) -> list[Any]:
             turn = turn_of[i]
             title = f"assistant, turn {turn}"
             facts = []
-            if turn <= len(spans):
-                facts.append(f"{spans[turn - 1][2] - spans[turn - 1][1]} tokens")
+            if turn - first <= len(spans):
+                facts.append(f"{spans[turn - first - 1][2] - spans[turn - first - 1][1]} tokens")
             if turn <= len(running):
                 facts.append(f"running {_seconds(running[turn - 1])}")
             subtitle = ", ".join(facts) or None

@@ -10,7 +10,12 @@ them across ranks) before the means are taken. Definitions:
 - **pass_at_n**: graded prompts with at least one right sample / graded prompts.
 - **user_turns**: the interaction's replies per request that had an interaction (for the answer
   checker, the attempts); only reported when some request had one.
-- **staleness**: the policy version minus the weight version that produced each generated token.
+- **staleness**: the policy version minus the weight version that produced each generated token
+  (a split gateway session's segments included).
+- **consistency_failures**: requests whose re-rendered conversation differed from their tokens, in
+  their own tokens or in any segment (counted once).
+- **split_sessions**: gateway sessions split into segments because the agent rewrote its history;
+  only reported when some request was split.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ def pass_at_n(requests: list[AsyncRolloutRequest]) -> float | None:
     return sum(by_prompt.values()) / len(by_prompt) if by_prompt else None
 
 
+def _inconsistent(request: AsyncRolloutRequest) -> bool:
+    """Whether the request or any of its segments has a consistency diff."""
+    return any(piece.consistency_diff is not None for piece in (*request.segments, request))
+
+
 @dataclass
 class RolloutCounts:
     """Sums over a batch of finished requests (add several with ``+``)."""
@@ -65,6 +75,7 @@ class RolloutCounts:
     errors: int = 0
     truncated: int = 0
     consistency_failures: int = 0
+    split_sessions: int = 0
     stale_sum: int = 0
     stale_tokens: int = 0
     stale_max: int = 0
@@ -76,7 +87,8 @@ class RolloutCounts:
         rewards = [r.rewards.final for r in requests if has_reward(r)]
         gaps = []
         if policy_version is not None:
-            gaps = [policy_version - v for r in requests for v in r.weight_versions if v is not None]
+            versions = [v for r in requests for piece in (*r.segments, r) for v in piece.weight_versions]
+            gaps = [policy_version - v for v in versions if v is not None]
         reasons = Counter(r.finish_reason.value for r in requests if r.finish_reason is not None)
         return cls(
             requests=len(requests),
@@ -93,7 +105,8 @@ class RolloutCounts:
             user_turns=sum(r.metrics.user_turns for r in requests),
             errors=reasons.get("error", 0),
             truncated=reasons.get("length", 0),
-            consistency_failures=sum(r.consistency_diff is not None for r in requests),
+            consistency_failures=sum(_inconsistent(r) for r in requests),
+            split_sessions=sum(bool(r.segments) for r in requests),
             stale_sum=sum(gaps),
             stale_tokens=len(gaps),
             stale_max=max(gaps, default=0),
@@ -122,6 +135,7 @@ class RolloutCounts:
             mean = self.reward_sum / self.rewarded
             std = math.sqrt(max(self.reward_sq_sum / self.rewarded - mean**2, 0.0))
         interaction = {"user_turns": self.user_turns / self.interactive} if self.interactive else {}
+        split = {"split_sessions": self.split_sessions} if self.split_sessions else {}
         return {
             "trajectories": self.requests,
             "reward_mean": mean,
@@ -139,4 +153,5 @@ class RolloutCounts:
             "staleness_mean": self.stale_sum / self.stale_tokens if self.stale_tokens else 0.0,
             "staleness_max": self.stale_max,
             **interaction,
+            **split,
         }

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from data.reward_fns import RewardFn
 from data.schema import Record
@@ -42,6 +42,9 @@ from rollout.request import AsyncRolloutRequest
 from rollout.runner import request_from_record
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
+
+if TYPE_CHECKING:
+    from rollout.agents import AgentDriver
 
 
 class MeteredEngine:
@@ -166,9 +169,11 @@ class GroupProducer:
         version: int = 0,
         discard: Callable[[Group], bool] | None = None,
         interactions: dict[str, Any] | None = None,
+        agent: AgentDriver | None = None,
     ):
         self.engine, self.chat, self.tools, self.reward_fn = engine, chat, tools, reward_fn
         self.interactions = interactions
+        self.agent = agent  # an agent entry point drives each request through the gateway, instead of run_request
         self.rollout, self.ledger, self.samples_per_prompt = rollout, ledger, samples_per_prompt
         self.capacity, self.seed, self.version = capacity, seed, version
         self.discard = discard
@@ -248,9 +253,12 @@ class GroupProducer:
 
         async def one(request: AsyncRolloutRequest) -> None:
             async with self._semaphore:
-                await run_request(
-                    request, self.engine, self.chat, self.tools, config, self.reward_fn, self.interactions
-                )
+                if self.agent is not None:
+                    await self.agent.run(request, config)
+                else:
+                    await run_request(
+                        request, self.engine, self.chat, self.tools, config, self.reward_fn, self.interactions
+                    )
 
         try:
             await asyncio.gather(*(one(r) for r in group.requests))

@@ -6,6 +6,10 @@ tokens the engine generated. Each contiguous run of 1s is one assistant turn (a 
 - ``trajectory`` mode: one sample per trajectory, every step trained.
 - stepwise modes (``broadcast``, ``per_step``): one sample per step — the conversation up to
   the end of that step, with only that step's tokens masked in.
+
+A gateway session whose history the agent rewrote is split (``request.segments``): its *pieces*
+are each segment, then the request's own tokens. Every piece is trained, each as above, and its
+steps are numbered across the pieces in order, as its tool calls' turns are.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.request import AsyncRolloutRequest
+from rollout.request import AsyncRolloutRequest, Segment
 
 
 @dataclass
@@ -45,55 +49,80 @@ def step_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def pieces(request: AsyncRolloutRequest) -> list[Segment | AsyncRolloutRequest]:
+    """The token sequences of a request in session order: each segment of a split session, then the
+    request's own tokens (for every other request, just itself). Each has ``prompt_ids``,
+    ``response_ids``, ``loss_mask`` and ``logprobs``."""
+    return [*request.segments, request]
+
+
 def step_rewards(request: AsyncRolloutRequest) -> list[float]:
-    """r_t per assistant turn: the step rewards of the tool calls made in that turn and the
-    interaction's score of the user turn answering it, plus the final reward on the last turn."""
-    turns = len(step_spans(request.loss_mask))
-    rewards = [0.0] * turns
-    for call in request.tool_calls:
-        if 1 <= call.turn <= turns:
-            rewards[call.turn - 1] += call.reward
-    for user_turn in request.interaction_turns:
-        if 1 <= user_turn.turn <= turns:
-            rewards[user_turn.turn - 1] += user_turn.score
-    if turns:
+    """r_t per assistant turn, over all pieces in order: the step rewards of the tool calls made in
+    that turn and the interaction's score of the user turn answering it, plus the final reward on
+    the session's last turn. A segment's turns are numbered from its recorded ``turns`` count."""
+    turn_rewards = [(call.turn, call.reward) for call in request.tool_calls]
+    turn_rewards += [(user_turn.turn, user_turn.score) for user_turn in request.interaction_turns]
+    rewards: list[float] = []
+    first = 0  # the session's turns before this piece
+    for piece in pieces(request):
+        steps = len(step_spans(piece.loss_mask))
+        turns = piece.turns if isinstance(piece, Segment) else steps
+        piece_rewards = [0.0] * steps
+        for turn, reward in turn_rewards:
+            if 1 <= turn - first <= min(turns, steps):
+                piece_rewards[turn - first - 1] += reward
+        rewards += piece_rewards
+        first += turns
+    if rewards:
         rewards[-1] += request.rewards.final
     return rewards
 
 
-def _engine_logprobs(request: AsyncRolloutRequest) -> list[float]:
-    return [0.0] * len(request.prompt_ids) + [lp if lp is not None else 0.0 for lp in request.logprobs]
+def _engine_logprobs(piece: Segment | AsyncRolloutRequest) -> list[float]:
+    return [0.0] * len(piece.prompt_ids) + [lp if lp is not None else 0.0 for lp in piece.logprobs]
 
 
-def trajectory_sample(request: AsyncRolloutRequest, advantage: float) -> Sample:
-    """The whole trajectory as one sample, all of its steps trained."""
+def _piece_sample(piece: Segment | AsyncRolloutRequest, advantage: float, group_id: int) -> Sample:
     return Sample(
-        input_ids=request.prompt_ids + request.response_ids,
-        loss_mask=[0] * len(request.prompt_ids) + list(request.loss_mask),
-        engine_logprobs=_engine_logprobs(request),
+        input_ids=piece.prompt_ids + piece.response_ids,
+        loss_mask=[0] * len(piece.prompt_ids) + list(piece.loss_mask),
+        engine_logprobs=_engine_logprobs(piece),
         advantage=advantage,
-        group_id=request.prompt_index,
+        group_id=group_id,
     )
 
 
+def trajectory_samples(request: AsyncRolloutRequest, advantage: float) -> list[Sample]:
+    """One sample per piece (one for an unsplit request), all of its steps trained, each with the
+    request's ``advantage``."""
+    return [_piece_sample(piece, advantage, request.prompt_index) for piece in pieces(request)]
+
+
+def trajectory_sample(request: AsyncRolloutRequest, advantage: float) -> Sample:
+    """The request's own tokens as one sample, all of its steps trained: the whole trajectory, or
+    a split session's last sample only (``trajectory_samples`` gives every piece)."""
+    return _piece_sample(request, advantage, request.prompt_index)
+
+
 def step_samples(request: AsyncRolloutRequest, advantages: list[float]) -> list[Sample]:
-    """One sample per assistant turn: the conversation up to the end of that turn, only that
-    turn's tokens masked in. ``advantages[t]`` goes with turn ``t``."""
-    offset = len(request.prompt_ids)
-    ids = request.prompt_ids + request.response_ids
-    logprobs = _engine_logprobs(request)
+    """One sample per assistant turn, over all pieces in order: the piece's conversation up to the
+    end of that turn, only that turn's tokens masked in. ``advantages[t]`` goes with turn ``t``."""
     samples = []
-    for t, (start, end) in enumerate(step_spans(request.loss_mask)):
-        mask = [0] * (offset + start) + [1] * (end - start)
-        samples.append(
-            Sample(
-                input_ids=ids[: offset + end],
-                loss_mask=mask,
-                engine_logprobs=logprobs[: offset + end],
-                advantage=advantages[t],
-                group_id=request.prompt_index,
+    for piece in pieces(request):
+        offset = len(piece.prompt_ids)
+        ids = piece.prompt_ids + piece.response_ids
+        logprobs = _engine_logprobs(piece)
+        for start, end in step_spans(piece.loss_mask):
+            mask = [0] * (offset + start) + [1] * (end - start)
+            samples.append(
+                Sample(
+                    input_ids=ids[: offset + end],
+                    loss_mask=mask,
+                    engine_logprobs=logprobs[: offset + end],
+                    advantage=advantages[len(samples)],
+                    group_id=request.prompt_index,
+                )
             )
-        )
     return samples
 
 

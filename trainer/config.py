@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data.config_tree import ConfigError, check_fields, load_tree, to_dict
-from rollout.config import CommonConfig, JudgeConfig, PromptsConfig, RolloutConfig
+from rollout.config import CommonConfig, GatewayConfig, JudgeConfig, PromptsConfig, RolloutConfig
 from rollout.engines.config import EngineConfig
 
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
@@ -143,6 +143,9 @@ class GRPOConfig(PromptsConfig):
     each step), or servers (``urls``) synced through ``/update_weights_from_disk``."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The LLM judge of a ``judge`` reward."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The agent gateway, in-process, when ``agent`` is set (the agent's calls are sampled with
+    ``rollout``'s settings, so the trainer's logprobs match the engine's)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -196,6 +199,8 @@ class EvalConfig(PromptsConfig):
     """Limits and sampling of the sampled answers (the greedy pass sets temperature 0)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The agent gateway, when ``agent`` is set."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -83,13 +83,14 @@ async def evaluate(
     progress: bool = True,
     reward_fn: RewardFn = default_reward,
     interactions: dict[str, Any] | None = None,
+    agent: Any = None,
 ) -> dict[str, Any]:
     """Greedy accuracy over ``records``, and unbiased pass@k for k = 1, 2, 4, ..., ``samples_per_prompt``
     from that many samples per prompt at ``config.temperature``; the same per ``data_source``
     (``by_data_source``), and up to ``MAX_FAILURES_PER_SOURCE`` greedy failures per source."""
     greedy = dataclasses.replace(config, temperature=0.0)
     runner = RolloutRunner(engine, chat, tools, greedy, progress=progress, reward_fn=reward_fn,
-                           interactions=interactions)  # fmt: skip
+                           interactions=interactions, agent=agent)  # fmt: skip
     result = await runner.run(records, 1)
     report: dict[str, Any] = {
         "prompts": len(records),
@@ -109,7 +110,7 @@ async def evaluate(
     }
     if samples_per_prompt >= 1:
         runner = RolloutRunner(engine, chat, tools, config, progress=progress, reward_fn=reward_fn,
-                               interactions=interactions)  # fmt: skip
+                               interactions=interactions, agent=agent)  # fmt: skip
         sampled = await runner.run(records, samples_per_prompt)
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= samples_per_prompt} | {samples_per_prompt})
         report["pass_at_k"] = {k: v or 0.0 for k, v in _pass_at_ks(sampled.requests, ks).items()}
@@ -228,4 +229,4 @@ async def run_eval(config: EvalConfig, records: list[Record] | None = None) -> d
     async with rollout_session(config) as s:
         return await evaluate(s.engine, s.chat, s.tools, records, config.rollout,
                               samples_per_prompt=config.samples_per_prompt, progress=config.progress,
-                              reward_fn=s.reward_fn, interactions=s.interactions)  # fmt: skip
+                              reward_fn=s.reward_fn, interactions=s.interactions, agent=s.agent)  # fmt: skip

@@ -8,6 +8,9 @@ reward is missing (a failed judgment); each kind is counted. With filtering, gro
 remaining rewards are all equal carry no signal and are dropped (DAPO's dynamic sampling, counted
 as solve_all / solve_none); without it, a group left with one member gets advantage 0. Then the
 first groups in draw order are kept, up to this process's share of the step.
+
+A split gateway session (``request.segments``) is one member of its group, with one reward and one
+advantage, but every piece of it is trained (``trainer/batch.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from trainer.advantages import (
     present_mask,
     trajectory_advantages,
 )
-from trainer.batch import Sample, step_rewards, step_samples, trajectory_sample
+from trainer.batch import Sample, step_rewards, step_samples, trajectory_samples
 
 
 def exclusion(request: AsyncRolloutRequest) -> str | None:
@@ -88,7 +91,9 @@ def group_samples(kept: list[AsyncRolloutRequest], mode: str, scale: Any, gamma:
         return samples
     advantages = trajectory_advantages(rewards, groups, scale)
     if mode == "trajectory":
-        return [trajectory_sample(r, advantage) for r, advantage in zip(kept, advantages.tolist(), strict=True)]
+        for request, advantage in zip(kept, advantages.tolist(), strict=True):
+            samples += trajectory_samples(request, advantage)
+        return samples
     steps = [len(step_rewards(r)) for r in kept]  # broadcast: every step sample carries its trajectory's
     flat = broadcast_advantages(advantages, steps).tolist()
     position = 0

@@ -34,7 +34,9 @@ from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 from data.reward_fns import RewardFn
 from data.schema import Record, load_records
 from data.synthetic import make_task
+from rollout.agents import AgentDriver, load_agent
 from rollout.api import (
+    agent_gateway,
     enter_interactions,
     make_judge,
     make_reward,
@@ -120,11 +122,14 @@ class GRPOTrainer:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
         self.interactions = setup_interactions(config.interactions)
+        if config.agent:
+            load_agent(config.agent)  # a bad entry point fails before any rollout
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)
         self.engine = engine
         self.metered: MeteredEngine | None = None  # the engine as rollouts see it (idle time)
         self.ledger: PromptLedger | None = None  # async: this process's prompts and which were consumed
+        self.agent: AgentDriver | None = None  # with config.agent: runs it through the in-process gateway
         self._step_began = self._engine_idle_began = 0.0  # the step clock: when the last step ended
         self.prompts = PromptStream(config)
         self.state = TrainerState()
@@ -418,6 +423,8 @@ class GRPOTrainer:
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)
             self.metered = MeteredEngine(engine)
+            gateway = agent_gateway(config, self.metered, self.tokenizer, self.reward_fn, self.model_dir)
+            self.agent = await stack.enter_async_context(gateway)
             self._step_began, self._engine_idle_began = time.monotonic(), 0.0
             with step_progress(self.console, enabled=config.progress and self.is_main) as bar:
                 task = bar.add_task("grpo", total=config.steps, completed=self.state.step, reward=math.nan,
@@ -437,7 +444,7 @@ class GRPOTrainer:
                 else:
                     runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
                                            reward_fn=self.reward_fn, progress=False,
-                                           interactions=self.interactions)  # fmt: skip
+                                           interactions=self.interactions, agent=self.agent)  # fmt: skip
                     while self.state.step < config.steps:
                         if finished(await self.step(runner)):
                             self.save_checkpoint()
@@ -465,7 +472,7 @@ class GRPOTrainer:
         producer = GroupProducer(
             self.metered, self.chat, self.tools, config.rollout, self.reward_fn, ledger, config.samples_per_prompt,
             capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step, discard=no_signal,
-            interactions=self.interactions,
+            interactions=self.interactions, agent=self.agent,
         )  # fmt: skip
         async with producer:
             while self.state.step < config.steps:
