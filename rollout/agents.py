@@ -24,6 +24,7 @@ import inspect
 import math
 import sys
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,19 @@ class AgentDriver:
 
     def __init__(self, gateway: Gateway, agent: AgentFn, timeout_s: float):
         self.gateway, self.agent, self.timeout_s = gateway, agent, timeout_s
+        self._threads: ThreadPoolExecutor | None = None  # a synchronous agent's own threads, one per run in flight
+
+    def _in_thread(self, url: str, record: dict[str, Any], rollout: RolloutConfig) -> asyncio.Future[Any]:
+        """A synchronous agent's run on a thread of the driver's own pool, sized by the concurrency bound
+        (asyncio's default pool has a handful of threads, shared with everything else)."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrency, thread_name_prefix="agent")
+        return asyncio.get_running_loop().run_in_executor(self._threads, self.agent, url, record)
+
+    def close(self) -> None:
+        """Let the threads of a synchronous agent go (they end with their runs)."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
 
     async def run(self, request: AsyncRolloutRequest, rollout: RolloutConfig | None = None) -> AsyncRolloutRequest:
         """Drive ``request`` with the agent; never raises, except CancelledError (the session is then
@@ -105,8 +119,8 @@ class AgentDriver:
             async with asyncio.timeout(self.timeout_s):
                 if inspect.iscoroutinefunction(self.agent):
                     result = await self.agent(url, record)
-                else:  # a synchronous agent in a worker thread (an async callable object hands back its coroutine)
-                    result = await asyncio.to_thread(self.agent, url, record)
+                else:  # a synchronous agent in a thread (an async callable object hands back its coroutine)
+                    result = await self._in_thread(url, record, rollout or session.config)
                 if inspect.isawaitable(result):
                     result = await result
             if isinstance(result, (int, float)) and not isinstance(result, bool) and math.isfinite(result):

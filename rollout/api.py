@@ -208,7 +208,11 @@ async def agent_gateway(config: RolloutCommand, engine: Engine, tokenizer: Any, 
     agent = load_agent(config.agent)
     async with Gateway(engine, tokenizer, config.gateway, config.rollout, reward_fn=reward_fn,
                        model_name=model_dir.name) as gateway:  # fmt: skip
-        yield AgentDriver(gateway, agent, config.gateway.agent_timeout_s)
+        driver = AgentDriver(gateway, agent, config.gateway.agent_timeout_s)
+        try:
+            yield driver
+        finally:
+            driver.close()
 
 
 @contextlib.asynccontextmanager

@@ -351,3 +351,34 @@ def test_the_agent_is_given_a_copy_of_its_record():
     record["prompt"].append({"role": "user", "content": "x"})
     assert len(request.messages) == 2 and record["ground_truth"] == request.ground_truth
     assert (record["prompt_index"], record["sample_index"]) == (3, 1)
+
+
+def _sync_agent(base_url: str, record: dict[str, Any]) -> float:
+    """A synchronous agent (``openai.OpenAI``): run on the driver's own threads."""
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        client.chat.completions.create(model="m", messages=record["prompt"])
+    return 1.0
+
+
+class _CountingEngine(ScriptedEngine):
+    in_flight: int = 0
+    most: int = 0
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            return await super().generate(input_ids, sampling, rid)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_synchronous_agents_run_side_by_side_on_their_own_threads(tokenizer, rollout_config):
+    engine = _CountingEngine(ChatTokenizer(tokenizer), lambda *a: "ok", delay=lambda rid: 0.5)
+    async with Gateway(engine, tokenizer, GatewayConfig(), rollout_config) as gateway:
+        driver = AgentDriver(gateway, _sync_agent, 30)
+        requests = [AsyncRolloutRequest(f"s{i}", i, 0, [{"role": "user", "content": "hi"}]) for i in range(24)]
+        done = await asyncio.gather(*(driver.run(r) for r in requests))
+        driver.close()
+    assert all(r.rewards.final == 1.0 and r.finish_reason is FinishReason.STOP for r in done)
+    assert engine.most > 8  # more than asyncio's default pool (min(32, cores + 4) threads) would run at once
