@@ -53,6 +53,7 @@ class RolloutSummary:
     tool_calls: float = 0.0
     tool_errors: float = 0.0
     user_turns: float | None = None  # per request with an interaction; None: no interaction
+    split_sessions: int | None = None  # gateway sessions the agent's history rewrites split; None: none did
     error_rate: float = 0.0
     truncated_rate: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -67,7 +68,7 @@ class RolloutSummary:
     def table(self) -> Table:
         table = Table(title="rollout summary", show_header=False)
         for key, value in self.to_dict().items():
-            if key == "user_turns" and value is None:  # no interaction in this rollout
+            if key in ("user_turns", "split_sessions") and value is None:  # no interaction / no split session
                 continue
             if isinstance(value, float):
                 value = f"{value:.4g}"
@@ -94,6 +95,7 @@ def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_pr
         tool_calls=metrics["tool_calls"],
         tool_errors=metrics["tool_errors"],
         user_turns=metrics.get("user_turns"),
+        split_sessions=metrics.get("split_sessions"),
         error_rate=metrics["error_rate"],
         truncated_rate=metrics["truncated_rate"],
         finish_reasons=counts.finish_reasons,

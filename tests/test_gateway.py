@@ -382,3 +382,16 @@ async def test_synchronous_agents_run_side_by_side_on_their_own_threads(tokenize
         driver.close()
     assert all(r.rewards.final == 1.0 and r.finish_reason is FinishReason.STOP for r in done)
     assert engine.most > 8  # more than asyncio's default pool (min(32, cores + 4) threads) would run at once
+
+
+async def test_sft_on_gateway_sessions_takes_every_sample_of_a_split_one(scripted_gateway, tmp_path):
+    from trainer.config import SFTConfig
+    from trainer.sft_data import load_examples
+
+    split = await _conversation(scripted_gateway, lambda n, m: m[:2] + m[-2:] if n == 2 else m)
+    whole = await _conversation(scripted_gateway, _keep)
+    path = tmp_path / "sessions.jsonl"
+    path.write_bytes(b"".join(json.dumps(r.to_record()).encode() + b"\n" for r in (split, whole)))
+    examples = load_examples(SFTConfig(data=str(path), max_length=4096), ChatTokenizer(scripted_gateway.tokenizer))
+    assert len(examples) == 3
+    assert examples[0].input_ids == split.segments[0].prompt_ids + split.segments[0].response_ids

@@ -127,8 +127,9 @@ def _trajectory_examples(path: Path, min_reward: float | None) -> list[Example]:
             raise RecordError(f"not a valid trajectory: {exc}", path=path, line=number) from None
         if min_reward is not None and (trajectory["reward"] is None or trajectory["reward"] < min_reward):
             continue
-        prompt = trajectory["prompt_ids"]
-        examples.append(Example(prompt + trajectory["response_ids"], [0] * len(prompt) + trajectory["loss_mask"]))
+        for piece in [*trajectory.get("segments", []), trajectory]:  # a split gateway session: every sample
+            prompt = piece["prompt_ids"]
+            examples.append(Example(prompt + piece["response_ids"], [0] * len(prompt) + piece["loss_mask"]))
     return examples
 
 
