@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +305,9 @@ async def serve_gateway(config: GatewayJobConfig, console: Console | None = None
             if console is not None:
                 console.print(f"agent gateway for {model_dir} on {gateway.url} (POST /sessions opens a session; "
                               f"finished sessions go to {config.out})", highlight=False)  # fmt: skip
-            await asyncio.Event().wait()
+            stop = asyncio.Event()
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM ends it as Ctrl-C does
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
     finally:
         close()

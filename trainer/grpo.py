@@ -104,6 +104,8 @@ class GRPOTrainer:
         console: Console | None = None,
     ):
         self.config = config
+        if config.agent:
+            load_agent(config.agent)  # a bad entry point fails before the model loads
         self.console = console or Console(stderr=True, soft_wrap=True)
         set_threads(config.threads)
         # cpu=True without CUDA: under torchrun (`accelerate launch --multi_gpu`) that gives gloo ranks
@@ -122,8 +124,6 @@ class GRPOTrainer:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
         self.interactions = setup_interactions(config.interactions)
-        if config.agent:
-            load_agent(config.agent)  # a bad entry point fails before any rollout
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)
         self.engine = engine
