@@ -132,7 +132,8 @@ class AgentDriver:
             error = f"the agent did not return within {self.timeout_s:g} s (gateway.agent_timeout_s)"
         except Exception as exc:
             error = f"the agent raised {type(exc).__name__}: {exc}"
-        if error is not None and request.finish_reason is not None:  # a refused call ended it (length, max_turns)
-            request.error = f"{request.error}; {error}" if request.error else error
+        if error is not None and session.refused is not None:  # the agent gave up on a refused call
+            reason, message = session.refused
+            session.refused = (reason, f"{message}; {error}")  # the session ends as length or max_turns
             error = None
         return await self.gateway.finish_session(session, error=error, reward=reward)

@@ -194,6 +194,8 @@ class Gateway:
                 request.rewards.posted = reward
             if error is not None or reason is not None:
                 request.finish(reason or FinishReason.ERROR, error)
+            elif session.refused is not None:  # its last call was refused: a budget was spent
+                request.finish(*session.refused)
             elif session.calls == 0:
                 request.finish(FinishReason.ERROR, "the agent made no call through the gateway")
             else:
@@ -334,6 +336,11 @@ class Gateway:
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise BadRequest("tools: expected a list of tool objects")
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise BadRequest(f'tools[{i}]: expected {{"type": "function", "function": {{"name": ..., '
+                                 f'"parameters": ...}}}}, got {tool!r}')  # fmt: skip
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):  # fmt: skip
@@ -351,8 +358,8 @@ class Gateway:
             session.last_used = time.monotonic()
             try:
                 plan = session.plan(messages, chat, tools_key, max_tokens)
-            except CallRefused as exc:
-                session.request.finish(exc.finish_reason, str(exc))
+            except CallRefused as exc:  # the session ends so unless the agent goes on (a shorter history)
+                session.refused = (exc.finish_reason, str(exc))
                 raise
             sampling = session.sampling_params(body, plan)
             call = _Call(self, session, plan, sampling, [s for s in stop if s], body, tools is not None)
@@ -401,6 +408,7 @@ class _Call:
         return "tool_calls" if message.get("tool_calls") else generation.finish_reason
 
     def _metadata(self, generation: Generation) -> dict[str, Any]:
+        """What the gateway recorded, under ``rallyrl`` in the answer (OpenAI's own ``metadata`` holds strings only)."""
         request = self.session.request
         return {"session_id": self.session.id, "sample": len(request.segments), "turn": request.metrics.turns,
                 "new_sample": self.plan.new_sample or None, "weight_version": generation.weight_version}  # fmt: skip
@@ -425,7 +433,7 @@ class _Call:
                 for t, lp in zip(generation.output_ids, generation.output_logprobs, strict=True)]}  # fmt: skip
         return json_response({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                               "choices": [choice], "usage": self._usage(generation),
-                              "metadata": self._metadata(generation)})  # fmt: skip
+                              "rallyrl": self._metadata(generation)})  # fmt: skip
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """SSE: the role, then the text as it is generated (with tools, the content and the tool calls
@@ -435,18 +443,25 @@ class _Call:
         sent = ""
         hold = max((len(s) for s in self.stop), default=1) - 1
         generation: Generation | None = None
-        async with contextlib.aclosing(self._chunks(True)) as chunks:
-            async for chunk in chunks:
-                if isinstance(chunk, Generation):
-                    generation = chunk
-                    break
-                if self.parser is not None:
-                    continue
-                text = self._partial_text(chunk)
-                visible = text[: len(text) - hold] if hold else text
-                if len(visible) > len(sent) and visible.startswith(sent):
-                    await send_event(response, self._chunk({"content": visible[len(sent) :]}))
-                    sent = visible
+        try:
+            async with contextlib.aclosing(self._chunks(True)) as chunks:
+                async for chunk in chunks:
+                    if isinstance(chunk, Generation):
+                        generation = chunk
+                        break
+                    if self.parser is not None:
+                        continue
+                    text = self._partial_text(chunk)
+                    visible = text[: len(text) - hold] if hold else text
+                    if len(visible) > len(sent) and visible.startswith(sent):
+                        await send_event(response, self._chunk({"content": visible[len(sent) :]}))
+                        sent = visible
+        except EngineError as exc:  # the answer has begun: the error can only be an event of the stream
+            self.gateway.counters["calls_failed"] += 1
+            await send_event(response, {"error": {"message": f"engine error: {exc}", "type": "engine_error",
+                                                  "code": None}})  # fmt: skip
+            await send_event(response, "[DONE]")
+            return response
         assert generation is not None
         try:
             message = self._commit(generation)
@@ -468,7 +483,7 @@ class _Call:
                              "function": {"name": function["name"], "arguments": function["arguments"]}}  # fmt: skip
                 await send_event(response, self._chunk({"tool_calls": [tool_call]}))
         final = self._chunk({}, self._finish(message, generation))
-        final["usage"], final["metadata"] = self._usage(generation), self._metadata(generation)
+        final["usage"], final["rallyrl"] = self._usage(generation), self._metadata(generation)
         await send_event(response, final)
         await send_event(response, "[DONE]")
         await response.write_eof()

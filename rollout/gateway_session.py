@@ -110,6 +110,7 @@ class GatewaySession:
         self.finished = False
         self.closing = False  # finish requested: new calls are refused
         self.calls = 0  # calls answered
+        self.refused: tuple[FinishReason, str] | None = None  # the last call was refused (a spent budget): why
         self.chat: ChatTokenizer | None = None
         self.transcript: Transcript | None = None
         self._tools_key: str | None = None
@@ -181,15 +182,15 @@ class GatewaySession:
     def sampling_params(self, body: dict[str, Any], plan: CallPlan) -> SamplingParams:
         """The rollout's sampling (``gateway.sampling: rollout``) or the request's own."""
         config, stop_ids = self.config, plan.chat.stop_token_ids
+        values = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
+        for name, value in values.items():  # checked in both modes: a bad request is bad whatever is sampled
+            kind = int if name in ("top_k", "seed") else (int, float)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
         if self.sampling == "rollout":
             seed = None if config.seed is None else turn_seed(config.seed, self.request, self.request.metrics.turns)
             return SamplingParams(plan.max_new_tokens, config.temperature, config.top_p, config.top_k,
                                   list(stop_ids), seed)  # fmt: skip
-        values = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
-        for name, value in values.items():
-            kind = int if name in ("top_k", "seed") else (int, float)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-                raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
         try:
             return SamplingParams(
                 plan.max_new_tokens,
@@ -231,6 +232,7 @@ class GatewaySession:
             for call in answer.get("tool_calls") or []
         ]  # fmt: skip
         self.calls += 1
+        self.refused = None
 
     def _start_sample(self, plan: CallPlan) -> None:
         request = self.request

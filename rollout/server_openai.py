@@ -318,8 +318,13 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
     if not isinstance(content, str):
         raise BadRequest(f"messages[{index}].content: expected a string or a list of text parts", "schema")
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
+        raise BadRequest(f"messages[{index}].tool_calls: expected a list of tool call objects", "schema")
+    for call in calls:
+        function = call.get("function") or {}
+        if not isinstance(function, dict):
+            raise BadRequest(f"messages[{index}].tool_calls: a call's function must be an object", "schema")
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments

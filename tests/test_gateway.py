@@ -169,13 +169,19 @@ def _keep(number: int, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ("edit", "reason"),
     [
         (lambda n, m: m[:2] + m[-2:] if n == 2 else m, "messages[2] (assistant) is not the answer the gateway gave"),
-        (lambda n, m: [{"role": "system", "content": "Be brief."}, *m[1:]] if n == 1 else m,
-         "messages[0] (system) is not the recorded message"),
-        (lambda n, m: [*m[:2], {**m[2], "content": "edited"}, *m[3:]] if n == 1 else m,
-         "messages[2] (assistant) is not the answer the gateway gave"),
+        (
+            lambda n, m: [{"role": "system", "content": "Be brief."}, *m[1:]] if n == 1 else m,
+            "messages[0] (system) is not the recorded message",
+        ),
+        (
+            lambda n, m: [*m[:2], {**m[2], "content": "edited"}, *m[3:]] if n == 1 else m,
+            "messages[2] (assistant) is not the answer the gateway gave",
+        ),
         (lambda n, m: m[:-4] if n == 2 else m, "the conversation was cut"),
-        (lambda n, m: [*m, {"role": "assistant", "content": "a prefill"}] if n == 1 else m,
-         "an answer the gateway did not give"),
+        (
+            lambda n, m: [*m, {"role": "assistant", "content": "a prefill"}] if n == 1 else m,
+            "an answer the gateway did not give",
+        ),
     ],
     ids=["summarised", "system-prompt-edited", "answer-edited", "truncated", "assistant-injected"],
 )
@@ -395,3 +401,15 @@ async def test_sft_on_gateway_sessions_takes_every_sample_of_a_split_one(scripte
     examples = load_examples(SFTConfig(data=str(path), max_length=4096), ChatTokenizer(scripted_gateway.tokenizer))
     assert len(examples) == 3
     assert examples[0].input_ids == split.segments[0].prompt_ids + split.segments[0].response_ids
+
+
+async def test_an_agent_that_recovers_from_a_full_context_ends_as_its_last_answer(tokenizer):
+    engine = ScriptedEngine(ChatTokenizer(tokenizer), lambda *a: "short answer")
+    async with Gateway(engine, tokenizer, GatewayConfig(), RolloutConfig(max_new_tokens=64, max_model_len=400)) as gw:
+        session, agent = await _session(gw)
+        messages = [{"role": "user", "content": "x" * 390}]
+        with pytest.raises(openai.BadRequestError):
+            await agent.ask(messages)
+        await agent.ask([{"role": "user", "content": "a summary of it"}])  # the agent shortens its history
+        request = await gw.finish_session(session)
+    assert request.finish_reason is FinishReason.STOP and request.error is None and request.metrics.turns == 1
