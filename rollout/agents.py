@@ -19,6 +19,7 @@ finished request as they take one of the native loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import inspect
 import math
@@ -33,6 +34,12 @@ from rollout.gateway import Gateway
 from rollout.request import AsyncRolloutRequest, FinishReason
 
 AgentFn = Callable[[str, dict[str, Any]], Awaitable[Any] | Any]
+
+COLLECT_EVERY = 64
+"""Agent runs between two full garbage collections. An agent's HTTP client usually leaves reference
+cycles behind (its connections, transports, tasks), holding its SSL context (about 1 MB of OpenSSL
+memory, the CA bundle) until a full collection, which a rollout's heap makes rare: without these,
+a training process grew by ~1 MB per run of ``data/agents/calc_openai.py`` (16.8 GB at 40 steps)."""
 
 
 class AgentSetupError(ValueError):
@@ -94,6 +101,7 @@ class AgentDriver:
     def __init__(self, gateway: Gateway, agent: AgentFn, timeout_s: float):
         self.gateway, self.agent, self.timeout_s = gateway, agent, timeout_s
         self._threads: ThreadPoolExecutor | None = None  # a synchronous agent's own threads, one per run in flight
+        self._runs = 0
 
     def _in_thread(self, url: str, record: dict[str, Any], rollout: RolloutConfig) -> asyncio.Future[Any]:
         """A synchronous agent's run on a thread of the driver's own pool, sized by the concurrency bound
@@ -136,4 +144,8 @@ class AgentDriver:
             reason, message = session.refused
             session.refused = (reason, f"{message}; {error}")  # the session ends as length or max_turns
             error = None
-        return await self.gateway.finish_session(session, error=error, reward=reward)
+        done = await self.gateway.finish_session(session, error=error, reward=reward)
+        self._runs += 1
+        if self._runs % COLLECT_EVERY == 0:
+            gc.collect()
+        return done
