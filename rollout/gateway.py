@@ -83,7 +83,7 @@ class Gateway:
         self.model_name = config.served_model_name or model_name
         self.on_finish = on_finish
         self.sessions: dict[str, GatewaySession] = {}
-        self.finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.finished: OrderedDict[str, AsyncRolloutRequest] = OrderedDict()  # the newest keep_finished
         self.counters = {"sessions_opened": 0, "sessions_finished": 0, "sessions_expired": 0, "calls": 0,
                          "samples_split": 0, "calls_refused": 0, "calls_failed": 0}  # fmt: skip
         self._chats: dict[str, ChatTokenizer] = {}
@@ -215,7 +215,7 @@ class Gateway:
                 self.sessions.pop(session.id, None)
                 self.counters["sessions_finished"] += 1
                 self.counters["samples_split"] += len(request.segments)
-                self.finished[session.id] = {"request": request}
+                self.finished[session.id] = request
                 while len(self.finished) > self.config.keep_finished:
                     self.finished.popitem(last=False)
                 if not session.done.done():
@@ -285,7 +285,7 @@ class Gateway:
         sid = request.match_info["sid"]
         if sid in self.finished:
             return json_response({"session_id": sid, "state": "completed",
-                                  "trajectory": self.finished[sid]["request"].to_record()})  # fmt: skip
+                                  "trajectory": self.finished[sid].to_record()})  # fmt: skip
         session = self._session(request)
         r = session.request
         return json_response({"session_id": sid, "state": r.state.value, "calls": session.calls,

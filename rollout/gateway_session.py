@@ -136,7 +136,11 @@ class GatewaySession:
         if reason is None:
             assert self._expected is not None
             appended = messages[len(self._expected) :]
-            delta = chat.delta(appended)
+            try:
+                delta = chat.delta(appended)
+            except TemplateError as exc:  # the template rewrites history: the tokens cannot be appended
+                reason = str(exc)
+        if reason is None:
             input_ids = request.all_ids + chat.assistant_close_ids(self._last_output) + delta[1]
             plan = CallPlan(messages, canonicals, chat, tools_key, input_ids, 0, None, appended=appended, delta=delta)
         else:

@@ -413,3 +413,24 @@ async def test_an_agent_that_recovers_from_a_full_context_ends_as_its_last_answe
         await agent.ask([{"role": "user", "content": "a summary of it"}])  # the agent shortens its history
         request = await gw.finish_session(session)
     assert request.finish_reason is FinishReason.STOP and request.error is None and request.metrics.turns == 1
+
+
+async def test_a_template_that_rewrites_earlier_turns_gives_a_new_sample_per_call(tokenizer, rollout_config):
+    # like Qwen3's template: an earlier answer renders differently once a later turn follows it
+    rewriting = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[old]{% else %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    clone = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, chat_template=rewriting,
+                                eos_token="<|im_end|>")  # fmt: skip
+    engine = ScriptedEngine(ChatTokenizer(clone), lambda *a: "fine")
+    async with Gateway(engine, clone, GatewayConfig(), rollout_config) as gateway:
+        session, agent = await _session(gateway)
+        messages = [{"role": "user", "content": "hi"}]
+        messages.append(await agent.ask(messages))
+        messages.append({"role": "user", "content": "and then?"})
+        await agent.ask(messages)
+        request = await gateway.finish_session(session)
+    assert "changes earlier turns" in request.segments[0].split_reason
+    assert request.consistency_diff is None and request.metrics.turns == 2
