@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
@@ -434,3 +435,29 @@ async def test_a_template_that_rewrites_earlier_turns_gives_a_new_sample_per_cal
         request = await gateway.finish_session(session)
     assert "changes earlier turns" in request.segments[0].split_reason
     assert request.consistency_diff is None and request.metrics.turns == 2
+
+
+async def one_call_agent(base_url: str, record: dict[str, Any]) -> float:
+    """One answer, rewarded by its share of digits (a signal a random model's answers vary in)."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as client:
+        reply = await client.chat.completions.create(model="m", messages=record["prompt"])
+    text = reply.choices[0].message.content or ""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+@pytest.mark.parametrize("async_rl", [False, True], ids=["sync", "async"])
+def test_grpo_trains_on_an_agents_sessions(tmp_path, tiny_model_dir, async_rl):
+    from tests.test_grpo import config
+    from trainer.grpo import GRPOTrainer
+
+    settings = config(tmp_path, tiny_model_dir, agent="tests.test_gateway:one_call_agent", steps=2,
+                      async_rl=async_rl, max_staleness=1, checkpoint_every=0)  # fmt: skip
+    trainer = GRPOTrainer(settings)
+    before = {k: v.clone() for k, v in trainer.policy_state_dict().items()}
+    history = asyncio.run(trainer.train())
+    assert trainer.agent is not None and trainer.agent.gateway.counters["sessions_finished"] >= 16
+    assert [m["step"] for m in history] == [1, 2]
+    assert all(m["rollout/error_rate"] == 0 and m["train/tokens"] > 0 for m in history)
+    after = trainer.policy_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert trainer.engine.weight_version == 2
