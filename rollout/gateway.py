@@ -218,8 +218,6 @@ class Gateway:
                 self.finished[session.id] = request
                 while len(self.finished) > self.config.keep_finished:
                     self.finished.popitem(last=False)
-                if not session.done.done():
-                    session.done.set_result(request)
         if self.on_finish is not None:
             self.on_finish(request)
         return request

@@ -119,7 +119,6 @@ class GatewaySession:
         self._last_finish: str | None = None
         self._sample_turns = 0  # assistant turns in the current sample
         self._pending: list[PendingCall] = []
-        self.done: asyncio.Future[AsyncRolloutRequest] = asyncio.get_running_loop().create_future()
 
     # ----- a call ----------------------------------------------------------------------------------
 
