@@ -51,7 +51,7 @@ from rollout.engines.base import Generation, SamplingParams
 from rollout.gateway import Gateway
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest
-from rollout.runner import request_from_record
+from rollout.runner import old_objects_frozen, request_from_record
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.calculator import CalculatorTool
 
@@ -196,7 +196,8 @@ async def compare(engine: Any, tokenizer: Any, records: list[Record], config: Ro
         for index in range(rounds):
             for name in names[index % len(names) :] + names[: index % len(names)]:
                 calls0, cpu0, wall0 = engine.calls, time.process_time(), time.perf_counter()
-                await bounded(ways[name](), concurrency)
+                with old_objects_frozen():  # as RolloutRunner.run rolls out (the garbage collector's share)
+                    await bounded(ways[name](), concurrency)
                 results[name].wall_s.append(time.perf_counter() - wall0)
                 results[name].cpu_s.append(time.process_time() - cpu0)
                 results[name].calls.append(engine.calls - calls0)
