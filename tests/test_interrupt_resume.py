@@ -26,6 +26,12 @@ def pairs(path: Path) -> list[tuple[int, int]]:
     return [(d["prompt_index"], d["sample_index"]) for d in map(orjson.loads, path.read_bytes().splitlines())]
 
 
+def interruptible() -> None:
+    """In the child: Ctrl-C's default action, even when the suite runs as a background job (a shell
+    without job control starts those with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -43,6 +49,7 @@ def start_train(tmp_path: Path, **settings) -> tuple[subprocess.Popen[str], Path
     process = subprocess.Popen(
         [*rallyrl_command(), "train", "--config", str(config)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=interruptible,
     )  # fmt: skip
     return process, config, run
 
@@ -51,7 +58,8 @@ def test_ctrl_c_keeps_finished_trajectories_and_resume_runs_the_rest(tmp_path):
     out = tmp_path / "rollouts.jsonl"
     # 8 in flight: trajectories finish a few at a time, so the interrupt surely lands mid-run
     command = [*rallyrl_command(), *ROLLOUT, "--out", str(out), "--max-concurrency", "8"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=interruptible)  # fmt: skip
     wait_for(lambda: out.exists() and out.read_bytes().count(b"\n") >= 20, 120, "trajectories")
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
