@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import RolloutConfig
-from rollout.gateway import Gateway
-from rollout.request import AsyncRolloutRequest, FinishReason
+from rollout.gateway import Gateway, GatewayError
+from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 
 AgentFn = Callable[[str, dict[str, Any]], Awaitable[Any] | Any]
 
@@ -121,7 +121,12 @@ class AgentDriver:
         """Drive ``request`` with the agent; never raises, except CancelledError (the session is then
         finished as aborted)."""
         record = agent_record(request)
-        session = self.gateway.open_session(request, request.request_id, rollout)
+        try:
+            session = self.gateway.open_session(request, request.request_id, rollout)
+        except GatewayError as exc:  # too many sessions open (gateway.max_sessions), or the id is taken
+            request.finish(FinishReason.ERROR, f"the gateway opened no session: {exc}")
+            request.transition(RequestState.COMPLETED)
+            return request
         error: str | None = None
         reward: float | None = None
         try:

@@ -83,6 +83,7 @@ class CallPlan:
     new_sample: str | None  # None: extends the sample; else why a new sample starts ("" for the first)
     prompt_text: str = ""  # a new sample's prompt
     appended: list[dict[str, Any]] | None = None  # an extension's new messages
+    answered: list[str | None] | None = None  # the tool_call_id each of them answers (tool messages)
     delta: tuple[str, list[int]] | None = None  # their rendering, after the template's glue
 
 
@@ -141,7 +142,9 @@ class GatewaySession:
                 reason = str(exc)
         if reason is None:
             input_ids = request.all_ids + chat.assistant_close_ids(self._last_output) + delta[1]
-            plan = CallPlan(messages, canonicals, chat, tools_key, input_ids, 0, None, appended=appended, delta=delta)
+            answered = [m.get("tool_call_id") for m in raw_messages[len(self._expected) :]]
+            plan = CallPlan(messages, canonicals, chat, tools_key, input_ids, 0, None, appended=appended, delta=delta,
+                            answered=answered)  # fmt: skip
         else:
             prompt_text, prompt_ids = chat.prompt(messages)
             plan = CallPlan(messages, canonicals, chat, tools_key, prompt_ids, 0, reason, prompt_text=prompt_text)
@@ -214,7 +217,7 @@ class GatewaySession:
             self._start_sample(plan)
         else:
             assert plan.appended is not None and plan.delta is not None
-            self._tool_results(plan.appended)
+            self._tool_results(plan.appended, plan.answered or [])
             request.messages += plan.appended
             request.append_context(chat.assistant_close_ids(self._last_output) + plan.delta[1])
             chat.add_context(self.transcript, self._last_output, plan.delta)
@@ -265,19 +268,17 @@ class GatewaySession:
             return f"the consistency check failed: {type(exc).__name__}: {exc}"
         return None if report.ok else report.diff
 
-    def _tool_results(self, appended: list[dict[str, Any]]) -> None:
-        """Tool messages answering the calls the gateway returned become the request's tool call records."""
+    def _tool_results(self, appended: list[dict[str, Any]], answered: list[str | None]) -> None:
+        """Tool messages answering the calls the gateway returned become the request's tool call records,
+        matched by ``tool_call_id`` (in order where a message has none or an unknown one)."""
         pending = {call.call_id: call for call in self._pending}
-        in_order = list(self._pending)
         now = time.monotonic()
-        for message in appended:
+        for message, call_id in zip(appended, answered, strict=True):
             if message["role"] != "tool":
                 continue
-            call = pending.pop(message.get("tool_call_id") or "", None)
-            if call is None and in_order:
-                call = next((c for c in in_order if c.call_id in pending), None)
-                if call is not None:
-                    pending.pop(call.call_id)
+            call = pending.pop(call_id, None) if isinstance(call_id, str) else None
+            if call is None and pending:
+                call = pending.pop(next(iter(pending)))
             if call is None:
                 continue
             record = ToolCallRecord(call.turn, call.name, call.arguments, message["content"], now - call.returned_at)

@@ -461,3 +461,26 @@ def test_grpo_trains_on_an_agents_sessions(tmp_path, tiny_model_dir, async_rl):
     after = trainer.policy_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert trainer.engine.weight_version == 2
+
+
+async def test_tool_results_are_matched_to_their_calls_by_id_in_any_order(scripted_gateway):
+    session, agent = await _session(scripted_gateway)
+    messages = [{"role": "user", "content": "2+3 and 7*6?"}]
+    answer = await agent.ask(messages, [CALC])
+    messages.append(answer)
+    first, second = answer["tool_calls"]
+    messages += [{"role": "tool", "tool_call_id": second["id"], "content": "42"},
+                 {"role": "tool", "tool_call_id": first["id"], "content": "5"}]  # fmt: skip
+    await agent.ask(messages, [CALC])
+    request = await scripted_gateway.finish_session(session)
+    assert [(c.arguments["expression"], c.text) for c in request.tool_calls] == [("7*6", "42"), ("2+3", "5")]
+    assert not request.segments
+
+
+async def test_a_run_the_gateway_has_no_room_for_ends_with_an_error_not_the_batch(tokenizer, rollout_config):
+    engine = ScriptedEngine(ChatTokenizer(tokenizer), lambda *a: "ok")
+    async with Gateway(engine, tokenizer, GatewayConfig(max_sessions=1), rollout_config) as gateway:
+        gateway.open_session()  # the one session allowed
+        request = AsyncRolloutRequest("r", 0, 0, [{"role": "user", "content": "hi"}])
+        done = await AgentDriver(gateway, await _returns(1.0), 5).run(request)
+    assert done.finish_reason is FinishReason.ERROR and "gateway.max_sessions" in done.error
