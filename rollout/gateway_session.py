@@ -229,7 +229,8 @@ class GatewaySession:
             text = chat.assistant_text(output)
             request.messages.append({"role": "assistant", "content": text})
             chat.add_output(self.transcript, output, text)
-        self._expected = [*plan.canonicals, canonical(answer, len(plan.canonicals))]
+        # an answer with no tokens (cannot be extended token-exactly): a call that sends it back starts anew
+        self._expected = [*plan.canonicals, canonical(answer, len(plan.canonicals))] if output else plan.canonicals
         self._last_output, self._last_finish = list(output), generation.finish_reason
         now = time.monotonic()
         self._pending = [
