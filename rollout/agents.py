@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import importlib.util
 import inspect
 import math
@@ -58,12 +59,18 @@ def load_agent(spec: str) -> AgentFn:
             path = Path(target)
             if not path.is_file():
                 raise AgentSetupError(f"agent: {path}: no such file")
-            module_name = f"rallyrl_agent_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
+            module_name = f"rallyrl_agent_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
+            module = sys.modules.get(module_name)  # loaded once: the setup check and the gateway share it
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(module_name, path)
+                assert module_spec is not None and module_spec.loader is not None
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[module_name] = module
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
         else:
             if str(Path.cwd()) not in sys.path:
                 sys.path.insert(0, str(Path.cwd()))

@@ -44,6 +44,7 @@ from rollout.loop import default_reward, score_request
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.server_generate import generate_chunks
 from rollout.server_http import BadRequest, json_body, json_response, send_event, sse_response
+from rollout.server_openai import stop_strings
 from rollout.tokens import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -343,10 +344,7 @@ class Gateway:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):  # fmt: skip
             raise BadRequest(f"max_tokens: expected a positive integer, got {max_tokens!r}")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("stop: expected a string or a list of strings")
+        stop = stop_strings(body)
         chat, tools_key = chat_for(self.tokenizer, tools or None, self._chats)
         if session.closing or session.finished:
             raise GatewayError(409, f"session {session.id} is finished", "session_finished")
@@ -360,7 +358,7 @@ class Gateway:
                 session.refused = (exc.finish_reason, str(exc))
                 raise
             sampling = session.sampling_params(body, plan)
-            call = _Call(self, session, plan, sampling, [s for s in stop if s], body, tools is not None)
+            call = _Call(self, session, plan, sampling, stop, body, tools is not None)
             session.request.transition(RequestState.RUNNING)
             try:
                 return await (call.stream(request) if body.get("stream") else call.answer())
@@ -516,7 +514,10 @@ def write_sessions(path: str | Path) -> tuple[Callable[[AsyncRolloutRequest], No
     """An ``on_finish`` that appends each finished session to a JSONL file (flushed), and its closer."""
     import orjson
 
-    file = open(path, "ab")  # noqa: SIM115 (closed by the returned closer)
+    from rollout.output_file import open_output
+
+    file = open_output(path, append=True)
+    assert file is not None
 
     def write(request: AsyncRolloutRequest) -> None:
         file.write(orjson.dumps(request.to_record()) + b"\n")

@@ -35,7 +35,7 @@ from rollout.loop import turn_seed
 from rollout.parsers import get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, Segment, ToolCallRecord
 from rollout.server_http import BadRequest
-from rollout.server_openai import template_message
+from rollout.server_openai import sampling_numbers, template_message
 from rollout.tokens import ChatTokenizer, TemplateError
 from rollout.transcript import Transcript
 
@@ -188,11 +188,7 @@ class GatewaySession:
     def sampling_params(self, body: dict[str, Any], plan: CallPlan) -> SamplingParams:
         """The rollout's sampling (``gateway.sampling: rollout``) or the request's own."""
         config, stop_ids = self.config, plan.chat.stop_token_ids
-        values = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
-        for name, value in values.items():  # checked in both modes: a bad request is bad whatever is sampled
-            kind = int if name in ("top_k", "seed") else (int, float)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-                raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+        values = sampling_numbers(body)  # checked in both modes: a bad request is bad whatever is sampled
         if self.sampling == "rollout":
             seed = None if config.seed is None else turn_seed(config.seed, self.request, self.request.metrics.turns)
             return SamplingParams(plan.max_new_tokens, config.temperature, config.top_p, config.top_k,

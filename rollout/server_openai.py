@@ -65,7 +65,7 @@ class OpenAIRoutes:
             raise BadRequest("prompt: an empty prompt (no tokens)")
         for ids in prompts:
             server.check_vocabulary(ids, "prompt")
-        n, options = _count(body), OutputOptions(stop=tuple(_stop_strings(body)))
+        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)))
         items = [self._item(ids, body, [], options, 16, "cmpl") for ids in prompts for _ in range(n)]
         reply = Reply(self, body, "text_completion", sum(len(ids) for ids in prompts))
         if body.get("stream"):
@@ -93,7 +93,7 @@ class OpenAIRoutes:
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
         # SGLang keeps special tokens in the text when tools are given (the parser reads them)
-        n, options = _count(body), OutputOptions(stop=tuple(_stop_strings(body)), skip_special_tokens=tools is None)
+        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)), skip_special_tokens=tools is None)
         items = [self._item(prompt_ids, body, chat.stop_token_ids, options, None, "chatcmpl") for _ in range(n)]
         parser = get_parser(server.config.tool_parser) if tools else None
         reply = Reply(self, body, "chat.completion", len(prompt_ids), parser)
@@ -138,12 +138,7 @@ class OpenAIRoutes:
         if context is not None and len(prompt_ids) + max_tokens > context:
             raise BadRequest(f"max_tokens: {len(prompt_ids)} prompt tokens + {max_tokens} new tokens do not fit the "
                              f"context of {context} tokens")  # fmt: skip
-        numbers = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
-        for name, value in numbers.items():
-            kind = int if name in ("top_k", "seed") else (int, float)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-                raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}",
-                                 "schema")  # fmt: skip
+        numbers = sampling_numbers(body)
         try:
             sampling = SamplingParams(
                 max_new_tokens=max_tokens,
@@ -300,7 +295,19 @@ def _count(body: dict[str, Any]) -> int:
     return n
 
 
-def _stop_strings(body: dict[str, Any]) -> list[str]:
+def sampling_numbers(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``temperature``, ``top_p``, ``top_k`` and ``seed`` (None where not given), their
+    JSON types checked."""
+    numbers = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
+    for name, value in numbers.items():
+        kind = int if name in ("top_k", "seed") else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}",
+                             "schema")  # fmt: skip
+    return numbers
+
+
+def stop_strings(body: dict[str, Any]) -> list[str]:
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
