@@ -15,8 +15,6 @@ import asyncio
 import inspect
 import math
 import time
-import types
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +24,7 @@ from data.reward_fns import RewardFn, final_answer_text
 from data.rewards import score_answer
 from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
+from rollout.deadlines import within
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, RequestState, ToolCallRecord
@@ -143,41 +142,6 @@ class InteractionError(RuntimeError):
 
 def _name(user: UserTurns) -> str:
     return f"interaction {getattr(user.interaction, 'name', type(user.interaction).__name__)}"
-
-
-async def within(awaitable: Coroutine[Any, Any, T], timeout_s: float) -> T:
-    """``await awaitable`` with a timeout of ``timeout_s``, counted from now. A coroutine that
-    finishes without waiting (a tool's create, calc_reward or release, mostly) costs no timer:
-    the timer starts when it first waits."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    if not isinstance(awaitable, types.CoroutineType):  # another awaitable: the plain way
-        async with asyncio.timeout_at(deadline):
-            return await awaitable
-    try:
-        waiting_on = awaitable.send(None)
-    except StopIteration as done:
-        return done.value
-    async with asyncio.timeout_at(deadline):
-        return await _resumed(awaitable, waiting_on)
-
-
-@types.coroutine
-def _resumed(coroutine: Coroutine[Any, Any, T], waiting_on: Any) -> Any:
-    """Go on with ``coroutine``, which has handed ``waiting_on`` to the event loop: what
-    ``await coroutine`` does from there (results and exceptions, cancellation included, pass through)."""
-    while True:
-        try:
-            sent = yield waiting_on
-        except BaseException as exc:
-            try:
-                waiting_on = coroutine.throw(exc)
-            except StopIteration as done:
-                return done.value
-        else:
-            try:
-                waiting_on = coroutine.send(sent)
-            except StopIteration as done:
-                return done.value
 
 
 def _describe(exc: BaseException) -> str:

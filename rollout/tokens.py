@@ -20,13 +20,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from rollout.transcript import SegmentSplitter, Transcript
+from rollout.ascii_tokens import AsciiDecoder
+from rollout.transcript import SegmentSplitter, Transcript, fast_encoder
 
 _SENTINEL = "\u2063RALLYRL-ASSISTANT-CONTENT\u2063"
 _BASE_MESSAGES = [
@@ -40,7 +42,8 @@ _PROBE_CONTENTS = (
     "", " ", "x", "  two words \n", '\n<tool_call>{"a": [1, "b"]}</tool_call>\n', "<tool_response>", "</think>",
     "a\tb\r", "&<>\"'\\", "{{ x }} {% y %}", "\u65e5\u672c \U0001f600", "None", "0",
 )  # fmt: skip
-"""Contents a delta template must put in verbatim before the text around contents is reused."""
+"""Contents a template must put in verbatim before the text around contents is reused."""
+_FULL_PROBES = tuple(content for content in _PROBE_CONTENTS if content)
 
 _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
@@ -64,6 +67,9 @@ def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
 
 Render = Any  # (messages, add_generation_prompt) -> str
 
+_MAX_STRUCTURES = 1024
+"""Role sequences whose template pieces are kept (past that, conversations are rendered every time)."""
+
 
 def _direct_renderer(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> Render | None:
     """The compiled chat template called as ``apply_chat_template`` calls it, for plain messages;
@@ -86,10 +92,14 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, A
 
 
 class _Watched(str):
-    """A message content that notes whether the template did anything with it but print it:
-    any test, comparison, filter or method call on it sets its ``read`` (concatenation does not)."""
+    """A message content that notes whether the template did anything with it but print it or
+    test whether it is empty: any other test, comparison, filter or method call on it sets its
+    ``read`` (concatenation does not)."""
 
     read = False
+
+    def __bool__(self) -> bool:  # ``{% if content %}``: the pieces are kept per emptiness of each content
+        return str.__len__(self) > 0
 
 
 def _watch(name: str) -> Any:
@@ -109,6 +119,14 @@ _UNWATCHED = {"__str__", "__repr__", "__add__", "__new__", "__init__", "__getatt
 for _name in dir(str):
     if _name not in _UNWATCHED and callable(getattr(str, _name)):
         setattr(_Watched, _name, _watch(_name))
+
+
+_Shape = tuple[tuple[str, bool], ...]
+"""A conversation's roles, and whether each content is empty: what template pieces are kept by."""
+
+
+def _shape(messages: list[dict[str, Any]]) -> _Shape:
+    return tuple((m["role"], not m["content"]) for m in messages)
 
 
 def _plain(messages: list[dict[str, Any]]) -> bool:
@@ -161,9 +179,12 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.tools = tools or None
         self._backend = None
+        self._encode: Callable[[str], list[int]] | None = None
+        self._ascii_decode: AsciiDecoder | None = None
         self._splitter: SegmentSplitter | None = None
         self._direct: Render | None = None
         self._pieces: dict[tuple[str, ...], list[str] | None] = {}
+        self._conversations: dict[tuple[tuple[str, ...], bool], list[str] | None] = {}
         base_text = self.render(_BASE_MESSAGES)
         direct = _direct_renderer(tokenizer, self.tools)
         tool_turns = [{"role": "tool", "content": " t\n"}, {"role": "tool", "content": ""}]
@@ -173,6 +194,8 @@ class ChatTokenizer:
             self._direct = direct
         self._backend = _same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
         self._splitter = SegmentSplitter.of(self._backend)
+        self._encode = None if self._backend is None else fast_encoder(self._backend)
+        self._ascii_decode = None if self._backend is None else AsciiDecoder.of(self._backend)
         cut = base_text.rfind(_SENTINEL)
         if cut < 0:
             raise TemplateError("the chat template does not render assistant content as given")
@@ -197,17 +220,43 @@ class ChatTokenizer:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         if self._direct is not None and _plain(messages):
-            return self._direct(messages, add_generation_prompt)
+            pieces = self._conversation_pieces(_shape(messages), add_generation_prompt)
+            if pieces is None:
+                return self._direct(messages, add_generation_prompt)
+            text = pieces[0]
+            for message, piece in zip(messages, pieces[1:], strict=True):
+                text += message["content"] + piece
+            return text
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def _conversation_pieces(self, shape: _Shape, add_generation_prompt: bool) -> list[str] | None:
+        """The template's text around the contents of a conversation of this shape, when it
+        prints each content verbatim and does nothing else with it (``_around_contents``); None
+        where it does not (the conversation is then rendered every time)."""
+        key = (shape, add_generation_prompt)
+        pieces = self._conversations.get(key, False)
+        if pieces is not False:
+            return pieces  # type: ignore[return-value]
+        if len(self._conversations) >= _MAX_STRUCTURES:
+            return None
+        direct = self._direct
+        pieces = self._around_contents(shape, lambda messages: direct(messages, add_generation_prompt))
+        self._conversations[key] = pieces
+        return pieces
+
     def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
+        if self._encode is not None:
+            return self._encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        if self._ascii_decode is not None:
+            try:
+                return self._ascii_decode(ids)
+            except KeyError:  # an id that is not plain ASCII on its own (or none at all)
+                pass
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -242,14 +291,19 @@ class ChatTokenizer:
 
     def delta(self, new_messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The text and ids of ``new_messages`` plus the next generation prompt."""
-        pieces = self._delta_pieces(tuple(m["role"] for m in new_messages)) if _plain(new_messages) else None
+        pieces = self._delta_pieces(_shape(new_messages)) if _plain(new_messages) else None
         if pieces is None:
             text = self._rendered_delta(new_messages)
-        else:  # the template's own text around the contents, rendered once for these roles
-            text = pieces[0]
-            for message, piece in zip(new_messages, pieces[1:], strict=True):
-                text += message["content"] + piece
-        return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
+            return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
+        # the template's own text around the contents, rendered (and its segments encoded) once for this shape
+        contents = [message["content"] for message in new_messages]
+        text = pieces[0]
+        for content, piece in zip(contents, pieces[1:], strict=True):
+            text += content + piece
+        if self._splitter is None:
+            return text, self.encode(text)
+        ids = self._splitter.encode_around(pieces, contents)
+        return text, self._splitter.encode(text) if ids is None else ids
 
     def _rendered_delta(self, new_messages: list[dict[str, Any]]) -> str:
         full = self.render(_BASE_MESSAGES + new_messages, add_generation_prompt=True)
@@ -261,39 +315,63 @@ class ChatTokenizer:
             )
         return full[len(self._base_text) :]
 
-    def _delta_pieces(self, roles: tuple[str, ...]) -> list[str] | None:
-        """The delta of messages with these roles as the text around their contents, when the
-        template puts each content in verbatim whatever it holds (checked on ``_PROBE_CONTENTS``);
-        None where it does not (the delta is then rendered every time)."""
-        if roles in self._pieces:
-            return self._pieces[roles]
+    def _delta_pieces(self, shape: _Shape) -> list[str] | None:
+        """The delta of messages of this shape as the text around their contents (``_around_contents``),
+        None where the template does not print contents as they are (the delta is then rendered
+        every time). A TemplateError if the template rewrites history."""
+        if shape in self._pieces:
+            return self._pieces[shape]
         if self._direct is None:
             return None
-        sentinels = [_CONTENT.format(i) for i in range(len(roles))]
-        plain = [{"role": r, "content": c} for r, c in zip(roles, sentinels, strict=True)]
-        text = self._rendered_delta(plain)  # a TemplateError if the template rewrites history
-        contents = [_Watched(m["content"]) for m in plain]
-        messages = [{**m, "content": c} for m, c in zip(plain, contents, strict=True)]
-        watched = self._direct(_BASE_MESSAGES + messages, True)
-        read = any(content.read for content in contents)
-        pieces: list[str] | None = [] if not read and watched == self._base_text + text else None
-        for sentinel in sentinels if pieces is not None else ():
+        self._rendered_delta([{"role": role, "content": ""} for role, _ in shape])  # TemplateError: rewrites history
+        pieces = self._around_contents(shape, self._direct_delta) if len(self._pieces) < _MAX_STRUCTURES else None
+        if len(self._pieces) < _MAX_STRUCTURES:
+            self._pieces[shape] = pieces
+        return pieces
+
+    def _direct_delta(self, messages: list[dict[str, Any]]) -> str:
+        full = self._direct(_BASE_MESSAGES + messages, True)  # type: ignore[misc]
+        if not full.startswith(self._base_text):
+            raise TemplateError("the chat template changes earlier turns")
+        return full[len(self._base_text) :]
+
+    @staticmethod
+    def _around_contents(shape: _Shape, text_of: Callable[[list[dict[str, Any]]], str]) -> list[str] | None:
+        """The text ``text_of`` gives around the contents of messages of this shape (roles, and which
+        contents are empty), one piece more than messages, when it puts each content in verbatim and
+        does nothing else with it: nothing but a test for emptiness touches a content (``_Watched``),
+        each appears once, and probe contents (``_PROBE_CONTENTS``) come out as the pieces say. Then
+        its output depends on the shape alone, and joining the pieces with the contents is
+        rendering. None where any of that fails."""
+        sentinels = ["" if empty else _CONTENT.format(i) for i, (_, empty) in enumerate(shape)]
+        try:
+            text = text_of([{"role": r, "content": c} for (r, _), c in zip(shape, sentinels, strict=True)])
+            watched = [_Watched(c) for c in sentinels]
+            if text_of([{"role": r, "content": c} for (r, _), c in zip(shape, watched, strict=True)]) != text:
+                return None
+        except TemplateError:
+            return None
+        if any(content.read for content in watched):
+            return None
+        pieces = []
+        for sentinel in sentinels:
+            if not sentinel:  # an empty content: anywhere will do
+                pieces.append("")
+                continue
             before, found, text = text.partition(sentinel)
             if not found or sentinel in text:
-                pieces = None
-                break
-            pieces.append(before)  # type: ignore[union-attr]
-        if pieces is not None:
-            pieces.append(text)
-            for i in range(len(_PROBE_CONTENTS)):
-                contents = [_PROBE_CONTENTS[(i + k) % len(_PROBE_CONTENTS)] for k in range(len(roles))]
-                probe = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
-                expected = self._rendered_delta(probe)
-                if expected != pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True)):
-                    pieces = None
-                    break
-        if len(self._pieces) < 64:
-            self._pieces[roles] = pieces
+                return None
+            pieces.append(before)
+        pieces.append(text)
+        for i in range(len(_FULL_PROBES)):
+            contents = ["" if e else _FULL_PROBES[(i + k) % len(_FULL_PROBES)] for k, (_, e) in enumerate(shape)]
+            probe = [{"role": r, "content": c} for (r, _), c in zip(shape, contents, strict=True)]
+            try:
+                expected = text_of(probe)
+            except TemplateError:
+                return None
+            if expected != pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True)):
+                return None
         return pieces
 
     # ----- the transcript: the incremental check ----------------------------------------------

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+from rollout.ascii_tokens import AsciiEncoder
+
 _PROBES = ("", "a", " a", "a ", "\n", "\n\nb 1", "12")
+_MAX_KEPT = 4096
+"""Template pieces and template-only segments kept encoded."""
 
 
 def _overlapping(texts: list[str]) -> bool:
@@ -35,17 +40,56 @@ def _overlapping(texts: list[str]) -> bool:
     return any(text[i:] in starts for text in texts for i in range(1, len(text)))
 
 
+def fast_encoder(backend: Any) -> Callable[[str], list[int]]:
+    """``backend.encode(text).ids``, through ``encode_batch_fast`` where this tokenizers has it and
+    it gives the same ids on probes: it skips computing offsets, a quarter of an encoding's time."""
+
+    def plain(text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=False).ids
+
+    batch = getattr(backend, "encode_batch_fast", None)
+    if batch is None:
+        return plain
+
+    def fast(text: str) -> list[int]:
+        return batch([text], add_special_tokens=False)[0].ids
+
+    try:
+        probes = [*_PROBES, "<|im_start|>user\nx = 12 + 3.5 \u65e5\u672c \U0001f600<|im_end|>\n"]
+        return fast if all(fast(text) == plain(text) for text in probes) else plain
+    except Exception:
+        return plain
+
+
+def _segment_encoder(backend: Any, split_tokens: set[str]) -> Callable[[str], list[int]]:
+    """Plain ASCII text in Python where the tokenizer allows it (``rollout/ascii_tokens.py``), else Rust."""
+    rust = fast_encoder(backend)
+    ascii_encoder = AsciiEncoder.of(backend, split_tokens)
+    if ascii_encoder is None:
+        return rust
+
+    def encode(text: str) -> list[int]:
+        ids = ascii_encoder(text)
+        return rust(text) if ids is None else ids
+
+    return encode
+
+
 class SegmentSplitter:
     """The split tokens of a fast tokenizer, and encoding segment by segment with a cache."""
 
     def __init__(self, backend: Any, id_of: dict[str, int]):
         self.backend = backend
         self.id_of = id_of
+        self.encode_segment: Callable[[str], list[int]] = _segment_encoder(backend, set(id_of))
+        """The ids of text that holds no split token."""
         self.split_ids = frozenset(id_of.values())
         alternatives = "|".join(re.escape(text) for text in sorted(id_of, key=len, reverse=True))
         self.pattern = re.compile(f"({alternatives})")
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self.cache_size = 512
+        self._plans: dict[str, tuple[str, list[int] | None, str]] = {}
+        self._fixed: dict[str, list[int] | None] = {}
 
     @classmethod
     def of(cls, backend: Any) -> SegmentSplitter | None:
@@ -85,10 +129,6 @@ class SegmentSplitter:
             return False
         return True
 
-    def encode_segment(self, text: str) -> list[int]:
-        """The ids of text that holds no split token."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
     def encode(self, text: str, remember: bool = False) -> list[int]:
         """``backend.encode(text)``, segment by segment; a segment's ids are looked up in the cache
         and, with ``remember``, kept there (the prompt's: a system prompt and tool schemas that
@@ -101,7 +141,7 @@ class SegmentSplitter:
             elif part:
                 hit = cache.get(part)
                 if hit is None:
-                    hit = self.backend.encode(part, add_special_tokens=False).ids
+                    hit = self.encode_segment(part)
                     if remember:
                         cache[part] = hit
                         if len(cache) > self.cache_size:
@@ -110,6 +150,69 @@ class SegmentSplitter:
                     cache.move_to_end(part)
                 ids += hit
         return ids
+
+
+    def encode_around(self, pieces: list[str], contents: list[str]) -> list[int] | None:
+        """The ids of ``pieces[0] + contents[0] + pieces[1] + ...`` (a template's text around message
+        contents), encoding only the segments that hold a content: the template's own segments
+        are encoded once. None where a split token would fall elsewhere than in the pieces (a
+        content that holds one): encode the text then."""
+        ids: list[int] = []
+        open_text, holds_content = "", False
+        for k, piece in enumerate(pieces):
+            if k and contents[k - 1]:
+                open_text += contents[k - 1]
+                holds_content = True
+            plan = self._plans.get(piece)
+            if plan is None:
+                plan = self._plan(piece)
+            head, inner, tail = plan
+            if inner is None:  # no split token in the piece
+                open_text += piece
+                continue
+            open_text += head
+            if open_text:
+                segment = self._segment(open_text, holds_content)
+                if segment is None:
+                    return None
+                ids += segment
+            ids += inner
+            open_text, holds_content = tail, False
+        if open_text:
+            segment = self._segment(open_text, holds_content)
+            if segment is None:
+                return None
+            ids += segment
+        return ids
+
+    def _plan(self, piece: str) -> tuple[str, list[int] | None, str]:
+        """A piece as (text before its first split token, the ids from there to its last split token
+        inclusive, text after it); ``(piece, None, "")`` when it holds none."""
+        parts = self.pattern.split(piece)
+        if len(parts) == 1:
+            plan: tuple[str, list[int] | None, str] = (piece, None, "")
+        else:
+            inner: list[int] = []
+            for i in range(1, len(parts) - 1):
+                if i % 2:
+                    inner.append(self.id_of[parts[i]])
+                elif parts[i]:
+                    inner += self.encode_segment(parts[i])
+            plan = (parts[0], inner, parts[-1])
+        if len(self._plans) < _MAX_KEPT:
+            self._plans[piece] = plan
+        return plan
+
+    def _segment(self, text: str, holds_content: bool) -> list[int] | None:
+        """The ids of the text between two split tokens, None if it holds one (then it is not a segment)."""
+        if holds_content:
+            return None if self.pattern.search(text) else self.encode_segment(text)
+        ids = self._fixed.get(text, False)
+        if ids is False:
+            ids = None if self.pattern.search(text) else self.encode_segment(text)
+            if len(self._fixed) < _MAX_KEPT:
+                self._fixed[text] = ids
+        return ids  # type: ignore[return-value]
 
 
 def _positions(ids: list[int], wanted: frozenset[int]) -> list[int]:
@@ -166,34 +269,45 @@ class Transcript:
             self._open_ids = ids if j < 0 else ids[j + 1 :]
             return True  # (still trusted)
         pieces = splitter.pattern.split(open_text + text)
-        if len(pieces[0]) < len(open_text):
-            trusted = False  # a split token across the boundary: the piece was not encoded as it is cut here
+        if not trusted or len(pieces[0]) < len(open_text):
+            # engine tokens, or a split token across the boundary (so the piece was not encoded as it
+            # is cut here): every segment the piece closes is encoded and compared
+            return self._check_untrusted(pieces, open_ids + ids)
+        # a trusted piece: its own segments hold; the open segment it closes is checked unless it was trusted too
         ids = open_ids + ids
         positions = _positions(ids, splitter.split_ids)
         if len(positions) != len(pieces) // 2:
             return False
-        start, unchecked = 0, []
         for k, position in enumerate(positions):
             if splitter.id_of[pieces[2 * k + 1]] != ids[position]:
                 return False
-            if k == 0:  # the open segment, closed by this piece
-                holds = self._open_trusted and len(pieces[0]) == len(open_text) and position == len(open_ids)
-            else:  # a segment inside the piece
-                holds = trusted
-            if not holds:
-                unchecked.append((pieces[2 * k], start, position))
-            start = position + 1
-        if len(unchecked) == 1:
-            segment, begin, end = unchecked[0]
-            if encode(segment) != ids[begin:end]:
-                return False
-        elif unchecked and encode("".join(pieces[: 2 * len(positions)])) != ids[:start]:
-            return False  # (several: one encoding of all that closed, cut by the split tokens the same way)
         if positions:
-            self._open_trusted = trusted
+            first = positions[0]
+            opened_trusted = self._open_trusted and len(pieces[0]) == len(open_text) and first == len(open_ids)
+            if not opened_trusted and encode(pieces[0]) != ids[:first]:
+                return False
+            self._open_trusted = True
+            self._open_text, self._open_ids = pieces[-1], ids[positions[-1] + 1 :]
         else:  # the open segment grew
             self._open_trusted = self._open_trusted and not text and len(ids) == len(open_ids)
-        self._open_text, self._open_ids = pieces[-1], ids[start:]
+            self._open_text, self._open_ids = pieces[-1], ids
+        return True
+
+    def _check_untrusted(self, pieces: list[str], ids: list[int]) -> bool:
+        """The text from the start of the open segment, cut at split tokens (``pieces``), and its ``ids``:
+        the segments it closes, encoded one by one, must be where ``ids`` starts; the rest stays open."""
+        splitter = self.splitter
+        expected: list[int] = []
+        for i in range(len(pieces) - 1):
+            if i % 2:
+                expected.append(splitter.id_of[pieces[i]])
+            elif pieces[i]:
+                expected += splitter.encode_segment(pieces[i])
+        closed = len(expected)
+        if ids[:closed] != expected:
+            return False
+        self._open_text, self._open_ids = pieces[-1], ids[closed:]
+        self._open_trusted = not self._open_text and not self._open_ids
         return True
 
     def closes(self) -> bool:

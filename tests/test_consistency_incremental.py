@@ -27,8 +27,16 @@ def run(engine, chat: ChatTokenizer, config: RolloutConfig = HOSTILE) -> AsyncRo
     return request
 
 
+def by_transformers(chat: ChatTokenizer) -> ChatTokenizer:
+    """The same tokenizer and tools with every shortcut off: each check renders the conversation
+    with transformers' ``apply_chat_template`` and encodes all of it with the tokenizer."""
+    reference = ChatTokenizer(chat.tokenizer, chat.tools)
+    reference._direct = reference._backend = reference._splitter = reference._encode = reference._ascii_decode = None
+    return reference
+
+
 def assert_same_as_full_check(chat: ChatTokenizer, request: AsyncRolloutRequest) -> None:
-    full = chat.check_consistency(request.messages, request.all_ids)  # no transcript: re-encodes it all
+    full = by_transformers(chat).check_consistency(request.messages, request.all_ids)
     assert (request.consistency_diff is None) == full.ok, request.consistency_diff
     if not full.ok:
         assert request.consistency_diff == full.diff
@@ -59,7 +67,7 @@ def test_delta_pieces_are_reused_only_where_the_template_prints_contents_as_they
         clone = tokenizer.__class__(
             tokenizer_object=tokenizer.backend_tokenizer, chat_template=template, eos_token="<|im_end|>"
         )
-        return ChatTokenizer(clone)._delta_pieces(("tool",))
+        return ChatTokenizer(clone)._delta_pieces((("tool", False),))
 
     assert pieces(CHAT_TEMPLATE) == [
         "<|im_start|>user\n<tool_response>\n",

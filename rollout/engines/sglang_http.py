@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 import yarl
 
+from rollout.deadlines import within
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
 from rollout.engines.sglang_protocol import (
@@ -63,7 +64,6 @@ class ServerHTTPClient:
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, yarl.URL] = {}
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
 
     def __repr__(self) -> str:
@@ -100,14 +100,6 @@ class ServerHTTPClient:
             url = self._urls[path] = yarl.URL(self.url + path)
         return url
 
-    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
-        timeout = self._timeouts.get(total_s)
-        if timeout is None:
-            timeout = self._timeouts[total_s] = aiohttp.ClientTimeout(
-                total=total_s, connect=self.config.connect_timeout_s
-            )
-        return timeout
-
     def _require_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
@@ -118,14 +110,12 @@ class ServerHTTPClient:
         return await self._request("POST", path, payload, timeout_s)
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
-        session = self._require_session()
-        url, timeout = self._url(path), self._timeout(timeout_s)
-        body = None if payload is None else orjson.dumps(payload)
-        headers = None if payload is None else JSON_HEADERS
+        """Send one request, return the decoded body (JSON or text). Transient failures raise RetryableError.
+        ``timeout_s`` bounds the whole exchange through ``rollout.deadlines`` (aiohttp's own per-request
+        timer costs more; the connect timeout stays aiohttp's)."""
+        url = self._url(path)
         try:
-            async with session.request(method, url, data=body, headers=headers, timeout=timeout) as response:
-                raw = await response.read()
-                status = response.status
+            status, raw = await within(self._exchange(method, url, payload), timeout_s)
         except aiohttp.ConnectionTimeoutError as exc:
             raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
         except TimeoutError as exc:
@@ -140,6 +130,13 @@ class ServerHTTPClient:
             return orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             return raw.decode(errors="replace")
+
+    async def _exchange(self, method: str, url: yarl.URL, payload: dict[str, Any] | None) -> tuple[int, bytes]:
+        session = self._require_session()
+        body = None if payload is None else orjson.dumps(payload)
+        headers = None if payload is None else JSON_HEADERS
+        async with session.request(method, url, data=body, headers=headers) as response:
+            return response.status, await response.read()
 
     async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         """A control call, retried like generation but named in its error."""
@@ -198,7 +195,7 @@ class SGLangHTTPEngine(ServerHTTPClient):
             self._wire_rids[rid] = wire_rid
             try:
                 payload = generate_payload(input_ids, sampling, wire_rid)
-                body = await self._post("/generate", payload, self.config.timeout_s)
+                body = await self._request("POST", "/generate", payload, self.config.timeout_s)
                 return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
             except RetryableError as exc:
                 if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
@@ -211,7 +208,9 @@ class SGLangHTTPEngine(ServerHTTPClient):
                     del self._wire_rids[rid]
 
         try:
-            return await self._with_retries(attempt)
+            return await call_with_retries(
+                attempt, retries=self.config.max_retries, backoff=self._backoff, retry_on=(RetryableError,)
+            )
         except RetryableError as exc:
             attempts = self.config.max_retries + 1
             raise ServerUnavailableError(f"{self.url}: request {rid} failed after {attempts} attempts: {exc}") from exc

@@ -174,8 +174,19 @@ def parse_weight_version(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    match = re.search(r"(\d+)$", str(value))
-    return int(match.group(1)) if match else None
+    text = str(value)
+    known = _VERSIONS.get(text, False)
+    if known is not False:
+        return known  # type: ignore[return-value]
+    match = re.search(r"(\d+)$", text)
+    version = int(match.group(1)) if match else None
+    if len(_VERSIONS) < 1024:
+        _VERSIONS[text] = version
+    return version
+
+
+_VERSIONS: dict[str, int | None] = {}
+"""Weight version strings read so far (a server reports the same one on every response)."""
 
 
 def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generation:
@@ -194,26 +205,43 @@ def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generati
     triples = meta.get("output_token_logprobs")
     if output_ids is None and isinstance(triples, list):  # some versions omit output_ids
         output_ids = [t[1] for t in triples]
-    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+    if not isinstance(output_ids, list) or not set(map(type, output_ids)) <= _INT:
         raise EngineError(f"{where}: output_ids must be a list of token ids")
     if not isinstance(triples, list):
         raise EngineError(f"{where}: meta_info.output_token_logprobs missing (was return_logprob sent?)")
     if len(triples) != len(output_ids):
         raise EngineError(f"{where}: {len(triples)} output_token_logprobs for {len(output_ids)} output_ids")
+    logprobs: list[Any] | None = None
+    if set(map(type, triples)) <= _LIST:  # [logprob, token_id, text] lists that name the output ids, in order
+        try:
+            if [triple[1] for triple in triples] == output_ids:
+                logprobs = [triple[0] for triple in triples]
+        except IndexError:
+            pass
+    if logprobs is None or not set(map(type, logprobs)) <= _FLOAT:
+        logprobs = _checked_logprobs(triples, output_ids, where)
+    version = parse_weight_version(meta.get("weight_version", obj.get("weight_version")))
+    version = default_version if version is None else version
+    meta = dict(meta)
+    meta.pop("output_token_logprobs", None)
+    meta.pop("input_token_logprobs", None)
+    return Generation(output_ids, logprobs, finish_type, version, meta)
+
+
+_INT, _FLOAT, _LIST = frozenset({int}), frozenset({float}), frozenset({list, tuple})
+
+
+def _checked_logprobs(triples: list[Any], output_ids: list[int], where: str) -> list[float]:
+    """The logprobs of ``triples`` one by one, naming the first that is not ``[logprob, output_ids[i], ...]``."""
     logprobs: list[float] = []
     for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
         if not isinstance(triple, (list, tuple)) or len(triple) < 2 or triple[1] != token:
             raise EngineError(f"{where}: output_token_logprobs[{i}] {triple!r} does not match output_ids[{i}]")
-        logprobs.append(float(triple[0]))
-    version = parse_weight_version(meta.get("weight_version", obj.get("weight_version")))
-    version = default_version if version is None else version
-    return Generation(
-        output_ids=output_ids,
-        output_logprobs=logprobs,
-        finish_reason=finish_type,
-        weight_version=version,
-        meta={k: v for k, v in meta.items() if k not in ("output_token_logprobs", "input_token_logprobs")},
-    )
+        try:
+            logprobs.append(float(triple[0]))
+        except (TypeError, ValueError):
+            raise EngineError(f"{where}: output_token_logprobs[{i}] {triple!r}: the logprob is not a number") from None
+    return logprobs
 
 
 def finish_reason_payload(generation: Generation, message: str = "") -> dict[str, Any]:
@@ -241,16 +269,18 @@ async def generate_resuming(
     keeps the weight version that produced it. An abort that used the whole budget is "length".
     SGLang checks the length before the stop tokens, so a stop token in the last allowed slot comes
     back as "length": it is reported as the "stop" it is, as the embedded engine does."""
+    part = await generate_once(input_ids, sampling)
+    if part.finish_reason != "abort" or rid in aborted_by_us:  # nearly every call: the part is the generation
+        if part.finish_reason == "length" and part.output_ids and part.output_ids[-1] in sampling.stop_token_ids:
+            part.finish_reason = "stop"
+        part.meta = {**part.meta, "resumes": 0}
+        part.output_weight_versions = part.token_weight_versions()
+        return part
     output_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     resumes = 0
     while True:
-        if output_ids:  # a resume: the rest of the budget after the tokens so far
-            budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
-            part = await generate_once(input_ids + output_ids, budget)
-        else:  # no copies on the first attempt
-            part = await generate_once(input_ids, sampling)
         output_ids += part.output_ids
         logprobs += part.output_logprobs
         versions += part.token_weight_versions()
@@ -266,3 +296,8 @@ async def generate_resuming(
                 meta={**part.meta, "resumes": resumes}, output_weight_versions=versions,
             )  # fmt: skip
         resumes += 1
+        if output_ids:  # a resume: the rest of the budget after the tokens so far
+            budget = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(output_ids))
+            part = await generate_once(input_ids + output_ids, budget)
+        else:
+            part = await generate_once(input_ids, sampling)
