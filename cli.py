@@ -441,16 +441,23 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="Smaller workloads: all three in under a minute."),
     json_out: Path = typer.Option(None, "--json", help="Write the figures as JSON here."),
     plot: Path = typer.Option(None, help="Write the request timelines as a PNG here."),
+    rounds: int = typer.Option(
+        None,
+        help="Rounds of rallyrl and the bare client, alternately; the median round of each is reported "
+        "(default 3, 1 with --quick).",
+    ),
 ) -> None:
-    """Tool-call concurrency: rallyrl vs an exact bound and a batch-level baseline, against a
-    simulated SGLang server (Markdown table, JSON, timeline PNG)."""
-    from benchmarks.tool_concurrency import run_benchmark, workloads_named
+    """Tool-call concurrency: rallyrl vs an exact bound, a bare aiohttp client and a batch-level
+    baseline, against a simulated SGLang server (Markdown table, JSON, timeline PNG)."""
+    from benchmarks.tool_concurrency import default_rounds, run_benchmark, workloads_named
     from benchmarks.workloads import WORKLOADS
 
     if workload != "all" and workload not in WORKLOADS:
         raise _fail(f"--workload must be one of {', '.join(WORKLOADS)} or all, got {workload!r}")
+    if rounds is not None and rounds < 1:
+        raise _fail(f"--rounds must be at least 1, got {rounds}")
     names = list(WORKLOADS) if workload == "all" else [workload]
-    run_benchmark(workloads_named(names, quick), json_out, plot, console)
+    run_benchmark(workloads_named(names, quick), json_out, plot, console, rounds or default_rounds(quick))
 
 
 def _register_more_commands() -> None:

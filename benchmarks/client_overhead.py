@@ -36,6 +36,7 @@ from benchmarks.sim_server import raise_fd_limit
 from benchmarks.sim_tools import SimTool
 from benchmarks.tool_concurrency import sim_server
 from benchmarks.workloads import W1, Scenario
+from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.request import AsyncRolloutRequest
 from rollout.tokens import ChatTokenizer
 
@@ -107,7 +108,7 @@ SYNC = {  # (owner, attribute): piece
     (AsyncRolloutRequest, "append_context"): "token lists (ids, mask, logprobs, versions)",
 }
 ASYNC = {
-    (clients.CountingEngine, "generate"): "HTTP round trip (engine client, aiohttp)",
+    (SGLangHTTPEngine, "generate"): "HTTP round trip (engine client, aiohttp)",
     (SimTool, "create"): "the tool itself (create, execute, reward, release)",
     (SimTool, "execute"): "the tool itself (create, execute, reward, release)",
     (SimTool, "calc_reward"): "the tool itself (create, execute, reward, release)",

@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.bare_client import BareClient
 from benchmarks.workloads import Scenario
-from rollout.engines.base import Generation, SamplingParams
+from rollout.engines.base import SamplingParams
 from rollout.engines.sglang_http import SGLangHTTPConfig, SGLangHTTPEngine
 from rollout.loop import RolloutConfig
 from rollout.parsers import get_parser
@@ -50,14 +50,12 @@ class ClientRun:
 
 
 class CountingEngine(SGLangHTTPEngine):
-    """The HTTP client, counting finished turns for the CPU-per-turn windows."""
+    """The HTTP client, counting finished turns for the CPU-per-turn windows (from its own count of
+    attempts, so that counting adds nothing to a turn)."""
 
-    turns_done = 0
-
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
-        generation = await super().generate(input_ids, sampling, rid)
-        self.turns_done += 1
-        return generation
+    @property
+    def turns_done(self) -> int:
+        return self._attempts - len(self._wire_rids)  # attempts made, less those in flight
 
 
 class _Meter:

@@ -1,6 +1,6 @@
-"""Tool-call concurrency: rallyrl against an exact bound and a batch-level baseline, one run.
+"""Tool-call concurrency: rallyrl against an exact bound, the bare client and a batch-level baseline.
 
-    python -m benchmarks.tool_concurrency [--workload W1|W2|W3|all] [--quick] [--json F] [--plot F]
+    python -m benchmarks.tool_concurrency [--workload W1|W2|W3|all] [--quick] [--rounds N] [--json F] [--plot F]
     rallyrl bench ...   (the same)
 
 For each workload the systems see the same server model and the same sampled tool
@@ -15,7 +15,10 @@ Reported: makespan, trajectories/s, efficiency (bound / measured), speedup over 
 batch-level baseline, p50 and p99 request latency, engine utilisation (busy slots over
 capacity x makespan), client CPU per turn (process CPU / turns, its ratio to the bare
 client's in the same run, and the median over 0.25 s windows), peak RSS, and the simulated
-server's lateness (how late its steps started).
+server's lateness (how late its steps started). rallyrl and the bare client run ``--rounds``
+times, alternately, each against a fresh server; each row is that client's round of median CPU
+per turn (client CPU on a shared 2-core machine moves by 20 % from run to run; a ratio of medians
+of interleaved rounds moves much less).
 A Markdown table, a JSON file and a PNG timeline (requests down, time across, colored by state).
 """
 
@@ -120,20 +123,29 @@ def bound_row(name: str, bound: BoundResult, baseline_s: float | None, w: Worklo
     }
 
 
-def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
-    """The bound, rallyrl, the bare client and the batch-level baseline on one workload."""
+def run_workload(workload: Workload, console: Console, rounds: int = 1) -> dict[str, Any]:
+    """The bound, rallyrl, the bare client and the batch-level baseline on one workload. rallyrl and
+    the bare client run ``rounds`` times, alternately (rallyrl, bare, rallyrl, bare, ...), each
+    against a fresh server: the row of each is its round of median CPU per turn, and the CPU ratio
+    is that of the two medians, so that a slow spell of a shared machine weighs on neither alone."""
     scenario = Scenario.build(workload)
     console.print(f"[bold]{workload.describe()}[/]", highlight=False)
     bound = asynchronous_bound(scenario, keep_segments=True)
     batch_bound = batch_level_bound(scenario)
-    runs: dict[str, tuple[ClientRun, dict]] = {}
-    for name, client in (("rallyrl", run_rallyrl), ("bare", run_bare), ("batch-level", run_batch_level)):
+    measured: dict[str, list[tuple[ClientRun, dict]]] = {"rallyrl": [], "bare": [], "batch-level": []}
+    order = [("rallyrl", run_rallyrl), ("bare", run_bare)] * rounds + [("batch-level", run_batch_level)]
+    for name, client in order:
         scenario = Scenario.build(workload)  # a fresh tool (its rate limit) for each client
         with sim_server(scenario) as (url, stats):
             started = time.monotonic()
             run = asyncio.run(client(scenario, url))
-            runs[name] = (run, stats())
-        console.print(f"  {name}: {run.makespan_s:.2f} s ({time.monotonic() - started:.1f} s)", highlight=False)
+            measured[name].append((run, stats()))
+        console.print(
+            f"  {name}: {run.makespan_s:.2f} s, {run.cpu_s / max(run.turns, 1) * 1e6:.0f} us CPU per turn "
+            f"({time.monotonic() - started:.1f} s)",
+            highlight=False,
+        )
+    runs = {name: _median_round(rounds_of) for name, rounds_of in measured.items()}
     baseline_s = runs["batch-level"][0].makespan_s
     rows = [
         bound_row("bound", bound, batch_bound.makespan_s, workload),
@@ -142,6 +154,8 @@ def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
         bound_row("batch-level bound", batch_bound, None, workload),
         client_row("batch-level", runs["batch-level"][0], batch_bound, None, runs["batch-level"][1], workload),
     ]
+    for row in rows[1:3]:
+        row["client_cpu_per_turn_rounds_us"] = [_cpu_per_turn_us(run) for run, _ in measured[row["system"]]]
     bare_cpu = rows[2]["client_cpu_per_turn_us"]
     for row in rows:
         if "client_cpu_per_turn_us" in row:
@@ -149,6 +163,7 @@ def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
     return {
         "workload": workload.to_dict(),
         "description": workload.describe(),
+        "rounds": rounds,
         "bound_speedup_over_batch": batch_bound.makespan_s / bound.makespan_s,
         "rows": rows,
         "timelines": {
@@ -157,6 +172,16 @@ def run_workload(workload: Workload, console: Console) -> dict[str, Any]:
             "batch-level": runs["batch-level"][0].segments,
         },
     }
+
+
+def _cpu_per_turn_us(run: ClientRun) -> float:
+    return run.cpu_s / max(run.turns, 1) * 1e6
+
+
+def _median_round(rounds: list[tuple[ClientRun, dict]]) -> tuple[ClientRun, dict]:
+    """The round of median CPU per turn (the lower middle one of an even number)."""
+    ordered = sorted(rounds, key=lambda measured: _cpu_per_turn_us(measured[0]))
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
@@ -250,17 +275,30 @@ def plot_timelines(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+ROUNDS_HELP = (
+    "Rounds of rallyrl and the bare client, alternately; the median round of each is reported "
+    "(default 3, 1 with --quick)."
+)
+
+
+def default_rounds(quick: bool) -> int:
+    return 1 if quick else 3
+
+
 def workloads_named(names: list[str], quick: bool) -> list[Workload]:
     catalog = QUICK if quick else WORKLOADS
     return [catalog[name] for name in names]
 
 
 def run_benchmark(
-    workloads: list[Workload], json_path: Path | None, plot_path: Path | None, console: Console
+    workloads: list[Workload], json_path: Path | None, plot_path: Path | None, console: Console, rounds: int = 1
 ) -> list[dict[str, Any]]:
-    """Every workload through the bound and both clients; prints the tables, writes JSON and PNG."""
+    """Every workload through the bound and the clients (rallyrl and the bare client ``rounds`` times
+    each, alternately); prints the tables, writes JSON and PNG."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     raise_fd_limit()
-    results = [run_workload(workload, console) for workload in workloads]
+    results = [run_workload(workload, console, rounds) for workload in workloads]
     for result in results:
         console.print(rich_table(result))
     console.print(markdown(results), highlight=False, markup=False)
@@ -279,9 +317,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads, under a minute in all")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help=ROUNDS_HELP)
     args = parser.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    run_benchmark(workloads_named(names, args.quick), args.json, args.plot, Console())
+    rounds = args.rounds if args.rounds is not None else default_rounds(args.quick)
+    run_benchmark(workloads_named(names, args.quick), args.json, args.plot, Console(), rounds)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from data.reward_fns import RewardFn, final_answer_text
 from data.rewards import score_answer
 from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
-from rollout.deadlines import within
+from rollout.deadlines import timeout_after, within
 from rollout.engines.base import Engine, SamplingParams
 from rollout.parsers import ToolCall, get_parser
 from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, RequestState, ToolCallRecord
@@ -162,6 +162,7 @@ async def _converse(
     """RUNNING <-> TOOL_CALLING (and INTERACTING, with a user) until the model stops calling tools
     and the user (if any) ends the conversation, or a budget runs out."""
     parser = get_parser(config.tool_parser)
+    sampling: SamplingParams | None = None
     while True:
         budget = min(config.max_new_tokens, config.max_model_len - len(request.prompt_ids) - len(request.response_ids))
         if config.max_response_tokens is not None:
@@ -169,14 +170,16 @@ async def _converse(
         if budget <= 0:
             request.finish(FinishReason.LENGTH)
             return
-        sampling = SamplingParams(
-            max_new_tokens=budget,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-            stop_token_ids=chat.stop_token_ids,
-            seed=None if config.seed is None else turn_seed(config.seed, request, request.metrics.turns),
-        )
+        seed = None if config.seed is None else turn_seed(config.seed, request, request.metrics.turns)
+        if sampling is None or sampling.max_new_tokens != budget or sampling.seed != seed:  # (else last turn's)
+            sampling = SamplingParams(
+                max_new_tokens=budget,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                top_k=config.top_k,
+                stop_token_ids=chat.stop_token_ids,
+                seed=seed,
+            )
         generation = await engine.generate(request.all_ids, sampling, request.request_id)
         if generation.output_ids:
             request.metrics.turns += 1
@@ -261,8 +264,8 @@ async def _call_tool(
         execute_kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         try:
             instance_id = request.tool_instance_ids[call.name]
-            response = await within(tool.execute(instance_id, call.arguments or {}, **execute_kwargs),
-                                    config.tool_timeout_s)  # fmt: skip
+            with timeout_after(config.tool_timeout_s):
+                response = await tool.execute(instance_id, call.arguments or {}, **execute_kwargs)
             if not isinstance(response, ToolResponse):
                 raise TypeError(f"execute returned {type(response).__name__}, not ToolResponse")
             record.text, record.reward = str(response.text), float(response.reward)

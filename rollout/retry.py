@@ -43,15 +43,17 @@ async def call_with_retries(
     backoff: Backoff,
     retry_on: tuple[type[BaseException], ...],
     on_retry: Callable[[BaseException], None] | None = None,
+    first_retry: int = 0,
 ) -> T:
     """``await attempt()`` until it returns. An exception of ``retry_on`` is retried, after
     ``backoff.delay(n)``, up to ``retries`` times (``on_retry`` sees each one), and the last one is
-    raised; any other exception is raised at once."""
-    for retry in range(retries + 1):
+    raised; any other exception is raised at once. ``first_retry`` numbers the first retry here
+    (for a caller that made the first attempts itself)."""
+    for retry in range(first_retry, first_retry + retries + 1):
         try:
             return await attempt()
         except retry_on as exc:
-            if retry == retries:
+            if retry == first_retry + retries:
                 raise
             if on_retry is not None:
                 on_retry(exc)

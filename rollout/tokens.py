@@ -125,18 +125,18 @@ _Shape = tuple[tuple[str, bool], ...]
 """A conversation's roles, and whether each content is empty: what template pieces are kept by."""
 
 
-def _shape(messages: list[dict[str, Any]]) -> _Shape:
-    return tuple((m["role"], not m["content"]) for m in messages)
-
-
-def _plain(messages: list[dict[str, Any]]) -> bool:
-    """Only ``role`` and ``content`` strings: what the wrapper would pass to the template unchanged."""
+def _shape(messages: list[dict[str, Any]]) -> _Shape | None:
+    """The shape of plain messages (only ``role`` and ``content`` strings: what the wrapper would pass
+    to the template unchanged); None for any other."""
+    shape = []
     for message in messages:
         if type(message) is not dict or len(message) != 2:
-            return False
-        if type(message.get("content")) is not str or type(message.get("role")) is not str:
-            return False
-    return True
+            return None
+        role, content = message.get("role"), message.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        shape.append((role, not content))
+    return tuple(shape)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -219,8 +219,9 @@ class ChatTokenizer:
     # ----- rendering ------------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        if self._direct is not None and _plain(messages):
-            pieces = self._conversation_pieces(_shape(messages), add_generation_prompt)
+        shape = None if self._direct is None else _shape(messages)
+        if shape is not None:
+            pieces = self._conversation_pieces(shape, add_generation_prompt)
             if pieces is None:
                 return self._direct(messages, add_generation_prompt)
             text = pieces[0]
@@ -291,7 +292,8 @@ class ChatTokenizer:
 
     def delta(self, new_messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The text and ids of ``new_messages`` plus the next generation prompt."""
-        pieces = self._delta_pieces(_shape(new_messages)) if _plain(new_messages) else None
+        shape = _shape(new_messages)
+        pieces = None if shape is None else self._delta_pieces(shape)
         if pieces is None:
             text = self._rendered_delta(new_messages)
             return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
@@ -455,7 +457,7 @@ class ChatTokenizer:
             (self._close_text, self.turn_close_ids, True),
             (self._close_rest_text, self.turn_close_ids[1:], self._close_rest_trusted),
         ):
-            if tail == tail_text and transcript.extended(tail_text, tail_ids, trusted).closes():
+            if tail == tail_text and transcript.closes_after(tail_text, tail_ids, trusted):
                 return tail_ids
         return None
 

@@ -151,7 +151,6 @@ class SegmentSplitter:
                 ids += hit
         return ids
 
-
     def encode_around(self, pieces: list[str], contents: list[str]) -> list[int] | None:
         """The ids of ``pieces[0] + contents[0] + pieces[1] + ...`` (a template's text around message
         contents), encoding only the segments that hold a content: the template's own segments
@@ -327,10 +326,13 @@ class Transcript:
             start += len(part)
         return start == len(ids)
 
-    def extended(self, text: str, ids: list[int], trusted: bool) -> Transcript:
-        """A copy with one more piece (the template's tail after the last turn)."""
-        copy = Transcript(self.splitter)
-        copy.parts, copy.id_parts, copy.ok = [*self.parts], [*self.id_parts], self.ok
-        copy._open_text, copy._open_ids, copy._open_trusted = self._open_text, self._open_ids, self._open_trusted
-        copy.append(text, ids, trusted)
-        return copy
+    def closes_after(self, text: str, ids: list[int], trusted: bool) -> bool:
+        """Whether everything appended and one more piece (the template's tail after the last turn)
+        checks out, without appending it."""
+        if not self.ok:
+            return False
+        state = self._open_text, self._open_ids, self._open_trusted
+        try:
+            return self._check(text, ids, trusted) and self.closes()
+        finally:
+            self._open_text, self._open_ids, self._open_trusted = state

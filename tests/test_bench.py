@@ -14,6 +14,7 @@ from rich.console import Console
 
 from benchmarks.bare_client import BareClient
 from benchmarks.bound import asynchronous_bound, batch_level_bound
+from benchmarks.clients import ClientRun
 from benchmarks.sim_tools import Fixed, LogNormal, SimTool, Uniform
 from benchmarks.tool_concurrency import run_benchmark, sim_server
 from benchmarks.workloads import W1, W3, Scenario, Workload
@@ -132,6 +133,34 @@ def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
         assert rallyrl["cpu_per_turn_vs_bare"] == rallyrl["client_cpu_per_turn_us"] / bare["client_cpu_per_turn_us"]
     assert plot_path.stat().st_size > 10_000
     assert len(results[0]["timelines"]["rallyrl"]) == 24
+
+
+def test_rounds_alternate_the_two_clients_and_report_each_ones_median_round(monkeypatch):
+    from benchmarks import tool_concurrency
+
+    order: list[str] = []
+    cpu = {"rallyrl": iter([3.0, 1.0, 2.0]), "bare": iter([1.0, 5.0, 3.0])}
+
+    def fake(name):
+        async def client(scenario, url):
+            order.append(name)
+            return ClientRun(makespan_s=1.0, request_latency_s=[1.0], turns=1_000_000, started=0.0,
+                             cpu_s=next(cpu[name]), peak_rss_mb=1.0)  # fmt: skip
+
+        return client
+
+    monkeypatch.setattr(tool_concurrency, "run_rallyrl", fake("rallyrl"))
+    monkeypatch.setattr(tool_concurrency, "run_bare", fake("bare"))
+    monkeypatch.setattr(tool_concurrency, "run_batch_level", fake("batch-level"))
+    cpu["batch-level"] = iter([4.0])
+    tiny = dataclasses.replace(W1, requests=4, capacity=2, tokens_per_turn=40, tool_latency=LogNormal(0.01, 1.0))
+    result = tool_concurrency.run_workload(tiny, Console(quiet=True), rounds=3)
+    assert order == ["rallyrl", "bare"] * 3 + ["batch-level"]
+    rallyrl, bare = result["rows"][1], result["rows"][2]
+    assert rallyrl["client_cpu_per_turn_rounds_us"] == [3.0, 1.0, 2.0]
+    assert bare["client_cpu_per_turn_rounds_us"] == [1.0, 5.0, 3.0]
+    assert rallyrl["client_cpu_per_turn_us"] == 2.0 and bare["client_cpu_per_turn_us"] == 3.0
+    assert rallyrl["cpu_per_turn_vs_bare"] == 2.0 / 3.0
 
 
 def test_bench_rejects_an_unknown_workload():

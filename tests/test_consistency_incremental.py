@@ -85,6 +85,22 @@ def test_same_report_as_a_full_check_whatever_token_ids_the_engine_returns(chat,
     assert_same_as_full_check(chat, run(TokenEngine(turns), chat))
 
 
+@pytest.fixture(scope="module")
+def merges_chat():
+    from test_ascii_tokens import byte_level_bpe
+
+    return ChatTokenizer(byte_level_bpe("qwen"), [CountingTool().schema])
+
+
+@LOOP
+@given(data=st.data())
+def test_same_report_as_a_full_check_with_merges_whatever_token_ids_the_engine_returns(merges_chat, data):
+    """With merges, random ids are mostly not how the tokenizer would spell their text."""
+    ids = st.lists(st.integers(0, len(merges_chat.tokenizer) - 1), max_size=60)
+    turns = data.draw(st.lists(st.tuples(ids, st.sampled_from(["stop", "length"])), min_size=1, max_size=3))
+    assert_same_as_full_check(merges_chat, run(TokenEngine(turns), merges_chat))
+
+
 @LOOP
 @given(st.lists(model_outputs(decodable_text, huge=False), min_size=1, max_size=3))
 def test_same_report_as_a_full_check_whatever_the_model_writes(chat, turns):

@@ -91,6 +91,15 @@ class BaseTool(ABC):
 
     def check_arguments(self, arguments: dict[str, Any]) -> str | None:
         """A readable message when ``arguments`` break the schema's parameters, else None."""
+        if not arguments:  # {}: the same verdict every time
+            return self._empty_arguments_problem
+        return self._problems(arguments)
+
+    @cached_property
+    def _empty_arguments_problem(self) -> str | None:
+        return self._problems({})
+
+    def _problems(self, arguments: dict[str, Any]) -> str | None:
         problems = [
             (f"{'.'.join(map(str, e.absolute_path))}: " if e.absolute_path else "") + e.message
             for e in self._validator.iter_errors(arguments)

@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 import yarl
 
-from rollout.deadlines import within
+from rollout.deadlines import timeout_after
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
 from rollout.engines.sglang_protocol import (
@@ -35,6 +35,8 @@ from rollout.engines.sglang_protocol import (
     generate_resuming,
     parse_generation,
     parse_weight_version,
+    resumable,
+    settled,
 )
 from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
 
@@ -113,9 +115,14 @@ class ServerHTTPClient:
         """Send one request, return the decoded body (JSON or text). Transient failures raise RetryableError.
         ``timeout_s`` bounds the whole exchange through ``rollout.deadlines`` (aiohttp's own per-request
         timer costs more; the connect timeout stays aiohttp's)."""
-        url = self._url(path)
+        session, url = self._require_session(), self._url(path)
+        body = None if payload is None else orjson.dumps(payload)
+        headers = None if payload is None else JSON_HEADERS
         try:
-            status, raw = await within(self._exchange(method, url, payload), timeout_s)
+            with timeout_after(timeout_s):
+                async with session.request(method, url, data=body, headers=headers) as response:
+                    raw = await response.read()
+                    status = response.status
         except aiohttp.ConnectionTimeoutError as exc:
             raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
         except TimeoutError as exc:
@@ -130,13 +137,6 @@ class ServerHTTPClient:
             return orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             return raw.decode(errors="replace")
-
-    async def _exchange(self, method: str, url: yarl.URL, payload: dict[str, Any] | None) -> tuple[int, bytes]:
-        session = self._require_session()
-        body = None if payload is None else orjson.dumps(payload)
-        headers = None if payload is None else JSON_HEADERS
-        async with session.request(method, url, data=body, headers=headers) as response:
-            return response.status, await response.read()
 
     async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         """A control call, retried like generation but named in its error."""
@@ -173,10 +173,17 @@ class SGLangHTTPEngine(ServerHTTPClient):
         self._active.add(rid)
         self.in_flight += 1
         try:
-            generation = await generate_resuming(
-                lambda ids, budget: self._generate_once(ids, budget, rid),
-                input_ids, sampling, self._aborted, rid, self.config.max_resumes,
-            )  # fmt: skip
+            try:  # the first attempt made here: it is nearly always the only one
+                part = await self._attempt(input_ids, sampling, rid)
+            except RetryableError as exc:
+                part = await self._retried(input_ids, sampling, rid, exc)
+            if resumable(part, rid, self._aborted):
+                generation = await generate_resuming(
+                    lambda ids, budget: self._generate_once(ids, budget, rid),
+                    input_ids, sampling, self._aborted, rid, self.config.max_resumes, first=part,
+                )  # fmt: skip
+            else:
+                generation = settled(part, sampling)
             self.weight_version = max(self.weight_version, generation.weight_version)
             return generation
         finally:
@@ -186,34 +193,46 @@ class SGLangHTTPEngine(ServerHTTPClient):
 
     async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
         """One /generate call, retried on transient failures."""
-
-        async def attempt() -> Generation:
-            if rid in self._aborted:  # aborted while waiting to retry
-                return Generation([], [], "abort", self.weight_version)
-            self._attempts += 1
-            wire_rid = f"{rid}#{self._attempts}"
-            self._wire_rids[rid] = wire_rid
-            try:
-                payload = generate_payload(input_ids, sampling, wire_rid)
-                body = await self._request("POST", "/generate", payload, self.config.timeout_s)
-                return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
-            except RetryableError as exc:
-                if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
-                    exc.__cause__, aiohttp.ConnectionTimeoutError
-                ):
-                    await self._abort_quietly(wire_rid)  # the server may still be running it
-                raise
-            finally:
-                if self._wire_rids.get(rid) == wire_rid:
-                    del self._wire_rids[rid]
-
         try:
+            return await self._attempt(input_ids, sampling, rid)
+        except RetryableError as exc:
+            return await self._retried(input_ids, sampling, rid, exc)
+
+    async def _retried(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, first: RetryableError
+    ) -> Generation:
+        """The retries after a first attempt that failed with ``first``, with their backoff."""
+        try:
+            if self.config.max_retries <= 0:
+                raise first
+            await asyncio.sleep(self._backoff.delay(0))
             return await call_with_retries(
-                attempt, retries=self.config.max_retries, backoff=self._backoff, retry_on=(RetryableError,)
-            )
+                lambda: self._attempt(input_ids, sampling, rid),
+                retries=self.config.max_retries - 1, backoff=self._backoff, retry_on=(RetryableError,), first_retry=1,
+            )  # fmt: skip
         except RetryableError as exc:
             attempts = self.config.max_retries + 1
             raise ServerUnavailableError(f"{self.url}: request {rid} failed after {attempts} attempts: {exc}") from exc
+
+    async def _attempt(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
+        if rid in self._aborted:  # aborted while waiting to retry
+            return Generation([], [], "abort", self.weight_version)
+        self._attempts += 1
+        wire_rid = f"{rid}#{self._attempts}"
+        self._wire_rids[rid] = wire_rid
+        try:
+            payload = generate_payload(input_ids, sampling, wire_rid)
+            body = await self._request("POST", "/generate", payload, self.config.timeout_s)
+            return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
+        except RetryableError as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
+                exc.__cause__, aiohttp.ConnectionTimeoutError
+            ):
+                await self._abort_quietly(wire_rid)  # the server may still be running it
+            raise
+        finally:
+            if self._wire_rids.get(rid) == wire_rid:
+                del self._wire_rids[rid]
 
     # ----- control endpoints -------------------------------------------------------------------
 

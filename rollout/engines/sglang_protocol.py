@@ -256,6 +256,20 @@ def finish_reason_payload(generation: Generation, message: str = "") -> dict[str
     return {"type": "abort", "message": message or "Aborted", "status_code": None, "err_type": None}
 
 
+def resumable(part: Generation, rid: str, aborted_by_us: Container[str]) -> bool:
+    """Whether a generation was aborted by someone else (a weight update), so it goes on."""
+    return part.finish_reason == "abort" and rid not in aborted_by_us
+
+
+def settled(part: Generation, sampling: SamplingParams) -> Generation:
+    """A generation that was not resumed, as ``generate_resuming`` returns it (changed in place)."""
+    if part.finish_reason == "length" and part.output_ids and part.output_ids[-1] in sampling.stop_token_ids:
+        part.finish_reason = "stop"
+    part.meta = {**part.meta, "resumes": 0}
+    part.output_weight_versions = part.token_weight_versions()
+    return part
+
+
 async def generate_resuming(
     generate_once: Callable[[list[int], SamplingParams], Awaitable[Generation]],
     input_ids: list[int],
@@ -263,19 +277,17 @@ async def generate_resuming(
     aborted_by_us: Container[str],
     rid: str,
     max_resumes: int,
+    first: Generation | None = None,
 ) -> Generation:
     """Generate, resuming across aborts we did not ask for (a weight update paused the server):
     each resume continues from the tokens so far with the rest of the budget, and every token
     keeps the weight version that produced it. An abort that used the whole budget is "length".
     SGLang checks the length before the stop tokens, so a stop token in the last allowed slot comes
-    back as "length": it is reported as the "stop" it is, as the embedded engine does."""
-    part = await generate_once(input_ids, sampling)
-    if part.finish_reason != "abort" or rid in aborted_by_us:  # nearly every call: the part is the generation
-        if part.finish_reason == "length" and part.output_ids and part.output_ids[-1] in sampling.stop_token_ids:
-            part.finish_reason = "stop"
-        part.meta = {**part.meta, "resumes": 0}
-        part.output_weight_versions = part.token_weight_versions()
-        return part
+    back as "length": it is reported as the "stop" it is, as the embedded engine does. ``first``: the
+    first call's result, where the caller made it."""
+    part = first if first is not None else await generate_once(input_ids, sampling)
+    if not resumable(part, rid, aborted_by_us):  # nearly every call: the part is the generation
+        return settled(part, sampling)
     output_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -285,10 +297,10 @@ async def generate_resuming(
         logprobs += part.output_logprobs
         versions += part.token_weight_versions()
         finish = part.finish_reason
-        resumable = finish == "abort" and rid not in aborted_by_us
-        if resumable and len(output_ids) >= sampling.max_new_tokens:
-            finish, resumable = "length", False
-        if not resumable or resumes >= max_resumes:
+        goes_on = finish == "abort" and rid not in aborted_by_us
+        if goes_on and len(output_ids) >= sampling.max_new_tokens:
+            finish, goes_on = "length", False
+        if not goes_on or resumes >= max_resumes:
             if finish == "length" and output_ids and output_ids[-1] in sampling.stop_token_ids:
                 finish = "stop"
             return Generation(
