@@ -212,12 +212,11 @@ def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generati
     if len(triples) != len(output_ids):
         raise EngineError(f"{where}: {len(triples)} output_token_logprobs for {len(output_ids)} output_ids")
     logprobs: list[Any] | None = None
-    if set(map(type, triples)) <= _LIST:  # [logprob, token_id, text] lists that name the output ids, in order
-        try:
-            if [triple[1] for triple in triples] == output_ids:
-                logprobs = [triple[0] for triple in triples]
-        except IndexError:
-            pass
+    try:  # [logprob, token_id, text] lists that name the output ids, in order (else the slow path says what)
+        if [triple[1] for triple in triples] == output_ids:
+            logprobs = [triple[0] for triple in triples]
+    except (TypeError, IndexError, KeyError):
+        pass
     if logprobs is None or not set(map(type, logprobs)) <= _FLOAT:
         logprobs = _checked_logprobs(triples, output_ids, where)
     version = parse_weight_version(meta.get("weight_version", obj.get("weight_version")))
@@ -228,7 +227,7 @@ def parse_generation(obj: Any, where: str, default_version: int = 0) -> Generati
     return Generation(output_ids, logprobs, finish_type, version, meta)
 
 
-_INT, _FLOAT, _LIST = frozenset({int}), frozenset({float}), frozenset({list, tuple})
+_INT, _FLOAT = frozenset({int}), frozenset({float})
 
 
 def _checked_logprobs(triples: list[Any], output_ids: list[int], where: str) -> list[float]:
