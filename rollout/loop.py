@@ -16,7 +16,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
@@ -31,8 +31,6 @@ from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, 
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
 from tools.base import BaseTool, ToolError, ToolResponse
-
-T = TypeVar("T")
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:

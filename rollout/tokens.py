@@ -68,7 +68,7 @@ def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
 Render = Any  # (messages, add_generation_prompt) -> str
 
 _MAX_STRUCTURES = 1024
-"""Role sequences whose template pieces are kept (past that, conversations are rendered every time)."""
+"""Conversation shapes whose template pieces are kept (past that, new shapes are rendered every time)."""
 
 
 def _direct_renderer(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> Render | None:
@@ -183,8 +183,8 @@ class ChatTokenizer:
         self._ascii_decode: AsciiDecoder | None = None
         self._splitter: SegmentSplitter | None = None
         self._direct: Render | None = None
-        self._pieces: dict[tuple[str, ...], list[str] | None] = {}
-        self._conversations: dict[tuple[tuple[str, ...], bool], list[str] | None] = {}
+        self._pieces: dict[_Shape, list[str] | None] = {}  # a delta's, by the shape of its messages
+        self._conversations: dict[tuple[_Shape, bool], list[str] | None] = {}  # (shape, generation prompt)
         base_text = self.render(_BASE_MESSAGES)
         direct = _direct_renderer(tokenizer, self.tools)
         tool_turns = [{"role": "tool", "content": " t\n"}, {"role": "tool", "content": ""}]
