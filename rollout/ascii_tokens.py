@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -68,7 +69,12 @@ class AsciiEncoder:
     @classmethod
     def of(cls, backend: Any, split_tokens: set[str]) -> AsciiEncoder | None:
         """An encoder for ``backend`` when its pipeline is one this reproduces and the two agree on
-        probes; ``split_tokens`` are the added tokens the caller cuts text at before (none reach here)."""
+        probes; ``split_tokens`` are the added tokens the caller cuts text at before (none reach here).
+        Kept per backend: a tokenizer is checked once however many chat tokenizers wrap it."""
+        return _kept(("encoder", frozenset(split_tokens)), backend, lambda: cls._of(backend, split_tokens))
+
+    @classmethod
+    def _of(cls, backend: Any, split_tokens: set[str]) -> AsciiEncoder | None:
         try:
             pattern = _pattern_of(backend)
             if pattern is None:
@@ -181,6 +187,32 @@ def _ascii_pattern(pattern: str) -> str | None:
     return "".join(out)
 
 
+_KEPT: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def _kept(key: tuple[Any, ...], backend: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, once per key and state of ``backend`` (held here, so that its id is not reused):
+    its vocabulary size (added tokens included) and pipeline, so that a tokenizer changed since
+    is checked again."""
+    try:
+        steps = (backend.normalizer, backend.pre_tokenizer, backend.decoder)
+        state = (
+            backend.get_vocab_size(with_added_tokens=True),
+            *(None if s is None else s.__getstate__() for s in steps),
+        )
+    except Exception:
+        return make()
+    key = (*key, id(backend), state)
+    hit = _KEPT.get(key)
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    if len(_KEPT) >= 32:
+        _KEPT.clear()
+    made = make()
+    _KEPT[key] = (backend, made)
+    return made
+
+
 def _pattern_of(backend: Any) -> str | None:
     """The word regex of a byte-level BPE pipeline this module reproduces, else None."""
     normalizer = backend.normalizer
@@ -269,7 +301,12 @@ class AsciiDecoder:
 
     @classmethod
     def of(cls, backend: Any) -> AsciiDecoder | None:
-        """A decoder for ``backend`` when its decoder is ``ByteLevel`` alone and the two agree on probes."""
+        """A decoder for ``backend`` when its decoder is ``ByteLevel`` alone and the two agree on probes
+        (kept per backend)."""
+        return _kept(("decoder",), backend, lambda: cls._of(backend))
+
+    @classmethod
+    def _of(cls, backend: Any) -> AsciiDecoder | None:
         try:
             if backend.decoder is None or json.loads(backend.decoder.__getstate__()).get("type") != "ByteLevel":
                 return None

@@ -175,3 +175,13 @@ def test_a_whole_conversation_is_checked_without_rust_and_still_catches_a_non_ca
     request = run(Fixed(chat, lambda turn, prompt, rid: text), chat)
     assert request.consistency_diff is not None
     assert_same_as_full_check(chat, request)
+
+
+def test_a_tokenizer_is_checked_once_and_again_after_it_changes():
+    backend = byte_level_bpe("qwen").backend_tokenizer
+    first = AsciiEncoder.of(backend, set(SPECIAL))
+    assert AsciiEncoder.of(backend, set(SPECIAL)) is first
+    backend.add_tokens([AddedToken("<calc>", normalized=True, special=False)])
+    second = AsciiEncoder.of(backend, set(SPECIAL))
+    assert second is not first
+    assert second("x <calc>y") == backend.encode("x <calc>y", add_special_tokens=False).ids
