@@ -15,6 +15,11 @@
   wrapper rebuilds every message and schema first), once that is checked to give the wrapper's
   text; the prompt is encoded segment by segment, the segments every prompt shares (system
   prompt, tool schemas) once.
+- Where the template does nothing with a content but print it (or test whether it is empty),
+  a conversation is rendered as the template's own text around the contents, computed once
+  per shape (roles, empty contents) and checked on probe contents (``_around_contents``); plain
+  ASCII text is encoded and decoded in Python for byte-level BPE tokenizers, checked against
+  the Rust tokenizer (``rollout/ascii_tokens.py``).
 """
 
 from __future__ import annotations
