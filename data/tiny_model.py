@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-calc"
 """The shipped tiny-calc model (``rallyrl sft --recipe tiny-calc`` rebuilds it): the default of every command."""
@@ -54,13 +55,6 @@ def char_vocab() -> list[str]:
     return SPECIAL_TOKENS + TOOL_TOKENS + chars
 
 
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    rest = [b for b in range(256) if b not in printable]
-    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(rest)}
-
-
 def build_char_tokenizer() -> PreTrainedTokenizerBase:
     """A character-level ``Qwen2Tokenizer`` with the chat template: one token per character.
 
@@ -68,7 +62,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerBase:
     (a space is ``\u0120``, a newline ``\u010a``), no merges; the special tokens and tool tags
     are added tokens matched whole.
     """
-    symbols = _byte_symbols()
+    symbols = bytes_to_unicode()  # GPT-2's byte-level alphabet
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for token in char_vocab()[len(SPECIAL_TOKENS) :]:
         vocab[token if token in TOOL_TOKENS else symbols[ord(token)]] = len(vocab)

@@ -30,6 +30,7 @@ from itertools import chain
 from typing import Any
 
 import regex
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 """What ``ByteLevel`` splits by when ``use_regex`` is on."""
@@ -40,19 +41,7 @@ _NOT_PLAIN = re.compile(r"[^\t\n\r -~]")
 _MAX_WORDS = 1 << 17
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's map from bytes to printable characters (what ``ByteLevel`` feeds the model)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    alphabet = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in alphabet:
-            alphabet[b] = chr(256 + extra)
-            extra += 1
-    return alphabet
-
-
-_ALPHABET = str.maketrans(_byte_alphabet())
+_ALPHABET = str.maketrans(bytes_to_unicode())  # GPT-2's byte-level alphabet: what ``ByteLevel`` feeds the model
 
 
 class AsciiEncoder:
@@ -312,7 +301,7 @@ class AsciiDecoder:
                 return None
             if type(backend.model).__name__ != "BPE":
                 return None
-            byte_of = {char: byte for byte, char in _byte_alphabet().items()}
+            byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
             texts: dict[int, str] = {}
             for token, token_id in backend.get_vocab(with_added_tokens=False).items():
                 raw = bytes(byte_of[char] for char in token if char in byte_of)

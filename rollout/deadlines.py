@@ -143,22 +143,8 @@ async def within(awaitable: Coroutine[Any, Any, T], timeout_s: float) -> T:
         waiting_on = awaitable.send(None)
     except StopIteration as done:
         return done.value
-    task = asyncio.current_task(loop)
-    if task is None:  # not in a task: nothing to cancel, the plain way
-        async with asyncio.timeout_at(when):
-            return await _resumed(awaitable, waiting_on)
-    book = deadlines(loop)
-    deadline = book.open(when, task)
-    cancelling = task.cancelling()
-    try:
-        result = await _resumed(awaitable, waiting_on)
-    except BaseException as exc:
-        if book.close(deadline) and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
-            raise TimeoutError from exc
-        raise
-    if book.close(deadline):  # expired as it finished: the cancellation is taken back, as asyncio.timeout does
-        task.uncancel()
-    return result
+    with timeout_after(when - loop.time()):
+        return await _resumed(awaitable, waiting_on)
 
 
 @types.coroutine

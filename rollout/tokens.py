@@ -144,6 +144,14 @@ def _shape(messages: list[dict[str, Any]]) -> _Shape | None:
     return tuple(shape)
 
 
+def _joined(pieces: list[str], contents: list[str]) -> str:
+    """Template pieces with the contents between them: ``pieces[0] + contents[0] + pieces[1] + ...``."""
+    text = pieces[0]
+    for content, piece in zip(contents, pieces[1:], strict=True):
+        text += content + piece
+    return text
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load a local tokenizer as its directory declares it (nothing is downloaded).
 
@@ -229,10 +237,7 @@ class ChatTokenizer:
             pieces = self._conversation_pieces(shape, add_generation_prompt)
             if pieces is None:
                 return self._direct(messages, add_generation_prompt)
-            text = pieces[0]
-            for message, piece in zip(messages, pieces[1:], strict=True):
-                text += message["content"] + piece
-            return text
+            return _joined(pieces, [message["content"] for message in messages])
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -242,15 +247,14 @@ class ChatTokenizer:
         prints each content verbatim and does nothing else with it (``_around_contents``); None
         where it does not (the conversation is then rendered every time)."""
         key = (shape, add_generation_prompt)
-        pieces = self._conversations.get(key, False)
-        if pieces is not False:
-            return pieces  # type: ignore[return-value]
-        if len(self._conversations) >= _MAX_STRUCTURES:
-            return None
-        direct = self._direct
-        pieces = self._around_contents(shape, lambda messages: direct(messages, add_generation_prompt))
-        self._conversations[key] = pieces
-        return pieces
+        if key not in self._conversations:
+            if len(self._conversations) >= _MAX_STRUCTURES:
+                return None
+            direct = self._direct
+            self._conversations[key] = self._around_contents(
+                shape, lambda messages: direct(messages, add_generation_prompt)
+            )
+        return self._conversations[key]
 
     def encode(self, text: str) -> list[int]:
         if self._encode is not None:
@@ -304,9 +308,7 @@ class ChatTokenizer:
             return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
         # the template's own text around the contents, rendered (and its segments encoded) once for this shape
         contents = [message["content"] for message in new_messages]
-        text = pieces[0]
-        for content, piece in zip(contents, pieces[1:], strict=True):
-            text += content + piece
+        text = _joined(pieces, contents)
         if self._splitter is None:
             return text, self.encode(text)
         ids = self._splitter.encode_around(pieces, contents)
@@ -326,15 +328,13 @@ class ChatTokenizer:
         """The delta of messages of this shape as the text around their contents (``_around_contents``),
         None where the template does not print contents as they are (the delta is then rendered
         every time). A TemplateError if the template rewrites history."""
-        if shape in self._pieces:
-            return self._pieces[shape]
-        if self._direct is None:
-            return None
-        self._rendered_delta([{"role": role, "content": ""} for role, _ in shape])  # TemplateError: rewrites history
-        pieces = self._around_contents(shape, self._direct_delta) if len(self._pieces) < _MAX_STRUCTURES else None
-        if len(self._pieces) < _MAX_STRUCTURES:
-            self._pieces[shape] = pieces
-        return pieces
+        if shape not in self._pieces:
+            if self._direct is None or len(self._pieces) >= _MAX_STRUCTURES:
+                return None
+            empty = [{"role": role, "content": ""} for role, _ in shape]
+            self._rendered_delta(empty)  # a TemplateError where the template rewrites history
+            self._pieces[shape] = self._around_contents(shape, self._direct_delta)
+        return self._pieces[shape]
 
     def _direct_delta(self, messages: list[dict[str, Any]]) -> str:
         full = self._direct(_BASE_MESSAGES + messages, True)  # type: ignore[misc]
@@ -377,7 +377,7 @@ class ChatTokenizer:
                 expected = text_of(probe)
             except TemplateError:
                 return None
-            if expected != pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:], strict=True)):
+            if expected != _joined(pieces, contents):
                 return None
         return pieces
 

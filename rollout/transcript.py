@@ -184,6 +184,16 @@ class SegmentSplitter:
             ids += segment
         return ids
 
+    def ids_of(self, parts: list[str]) -> list[int]:
+        """The ids of ``parts`` as ``pattern.split`` cuts text: segments (encoded) and split tokens, alternately."""
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self.id_of[part])
+            elif part:
+                ids += self.encode_segment(part)
+        return ids
+
     def _plan(self, piece: str) -> tuple[str, list[int] | None, str]:
         """A piece as (text before its first split token, the ids from there to its last split token
         inclusive, text after it); ``(piece, None, "")`` when it holds none."""
@@ -191,13 +201,7 @@ class SegmentSplitter:
         if len(parts) == 1:
             plan: tuple[str, list[int] | None, str] = (piece, None, "")
         else:
-            inner: list[int] = []
-            for i in range(1, len(parts) - 1):
-                if i % 2:
-                    inner.append(self.id_of[parts[i]])
-                elif parts[i]:
-                    inner += self.encode_segment(parts[i])
-            plan = (parts[0], inner, parts[-1])
+            plan = (parts[0], self.ids_of(["", *parts[1:-1]]), parts[-1])
         if len(self._plans) < _MAX_KEPT:
             self._plans[piece] = plan
         return plan
@@ -295,13 +299,7 @@ class Transcript:
     def _check_untrusted(self, pieces: list[str], ids: list[int]) -> bool:
         """The text from the start of the open segment, cut at split tokens (``pieces``), and its ``ids``:
         the segments it closes, encoded one by one, must be where ``ids`` starts; the rest stays open."""
-        splitter = self.splitter
-        expected: list[int] = []
-        for i in range(len(pieces) - 1):
-            if i % 2:
-                expected.append(splitter.id_of[pieces[i]])
-            elif pieces[i]:
-                expected += splitter.encode_segment(pieces[i])
+        expected = self.splitter.ids_of(pieces[:-1])
         closed = len(expected)
         if ids[:closed] != expected:
             return False

@@ -173,10 +173,7 @@ class SGLangHTTPEngine(ServerHTTPClient):
         self._active.add(rid)
         self.in_flight += 1
         try:
-            try:  # the first attempt made here: it is nearly always the only one
-                part = await self._attempt(input_ids, sampling, rid)
-            except RetryableError as exc:
-                part = await self._retried(input_ids, sampling, rid, exc)
+            part = await self._generate_once(input_ids, sampling, rid)
             if resumable(part, rid, self._aborted):
                 generation = await generate_resuming(
                     lambda ids, budget: self._generate_once(ids, budget, rid),
@@ -192,7 +189,7 @@ class SGLangHTTPEngine(ServerHTTPClient):
             self._active.discard(rid)
 
     async def _generate_once(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
-        """One /generate call, retried on transient failures."""
+        """One /generate call, retried on transient failures (the retry loop only after a first failure)."""
         try:
             return await self._attempt(input_ids, sampling, rid)
         except RetryableError as exc:

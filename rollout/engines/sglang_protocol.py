@@ -296,7 +296,7 @@ async def generate_resuming(
         logprobs += part.output_logprobs
         versions += part.token_weight_versions()
         finish = part.finish_reason
-        goes_on = finish == "abort" and rid not in aborted_by_us
+        goes_on = resumable(part, rid, aborted_by_us)
         if goes_on and len(output_ids) >= sampling.max_new_tokens:
             finish, goes_on = "length", False
         if not goes_on or resumes >= max_resumes:
