@@ -34,7 +34,7 @@ def main(model_dir: str, out_dir: str, result: str, mode: str = "sync") -> None:
     step = trainer.optimizer.step
 
     def capture_then_step(*args, **kwargs):  # the (all-reduced) gradient the update is made from
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = trainer.policy.language_model()
         grads.update({name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None})
         return step(*args, **kwargs)
 

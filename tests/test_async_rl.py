@@ -255,9 +255,9 @@ def test_a_trajectory_spanning_an_update_is_weighted_by_the_policy_that_sampled_
                                + request.weight_versions][1:])  # fmt: skip
 
     def teacher_forced(weights) -> torch.Tensor:
-        trainer.accelerator.unwrap_model(trainer.model).load_state_dict(weights)
+        trainer.policy.language_model().load_state_dict(weights)
         with torch.no_grad():
-            return trainer.logprobs(batch)[0][0]
+            return trainer.policy.logprobs(batch)[0][0]
 
     under_old, under_new = teacher_forced(old), teacher_forced(new)
     engine = batch.engine_logprobs[0, 1:]
@@ -273,5 +273,5 @@ def test_a_trajectory_spanning_an_update_is_weighted_by_the_policy_that_sampled_
     assert not torch.allclose(expected, torch.ones_like(expected), atol=1e-2)  # the update moved them
     # and the loss takes exactly these weights: with advantage 1 and one pass, each token's
     # surrogate is -weight (AReaL's decoupled objective, proximal policy = the trainer's)
-    out = trainer.micro_batch_loss(batch, None, normaliser=float(mask.sum()))
+    out = trainer.policy.micro_batch_loss(batch, None, normaliser=float(mask.sum()))
     assert out["pg_loss"] == pytest.approx(-float(weights[mask].mean()), rel=1e-4)

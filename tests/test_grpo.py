@@ -98,12 +98,12 @@ def test_gradients_on_prompt_and_tool_output_tokens_are_exactly_zero(tmp_path, t
     request.append_generated([33, 34], [-1.0, -1.0], 0)
     batch = collate([trajectory_sample(request, 1.0)])
     captured = {}
-    model = trainer.model
-    handle = model.lm_head.register_forward_hook(lambda m, i, out: captured.update(logits=out) or out.retain_grad())
-    out = trainer.micro_batch_loss(batch, None, normaliser=float(batch.loss_mask[:, 1:].sum()))
+    norm = trainer.policy.language_model().model.norm  # its output: the final hidden states
+    handle = norm.register_forward_hook(lambda m, i, out: captured.update(hidden=out) or out.retain_grad())
+    out = trainer.policy.micro_batch_loss(batch, None, normaliser=float(batch.loss_mask[:, 1:].sum()))
     out["scaled_loss"].backward()
     handle.remove()
-    grad = captured["logits"].grad[0]  # row t predicts token t + 1
+    grad = captured["hidden"].grad[0]  # row t predicts token t + 1
     trained = batch.loss_mask[0, 1:].bool()
     assert grad[:-1][~trained].abs().sum() == 0
     assert grad[:-1][trained].abs().sum(-1).min() > 0

@@ -128,51 +128,97 @@ def step_samples(request: AsyncRolloutRequest, advantages: list[float]) -> list[
 
 @dataclass
 class TrainBatch:
-    """Right-padded tensors of a list of samples, all [B, L] but ``advantages`` [B]."""
+    """A micro-batch of samples as the model reads it and as the loss reads it.
+
+    The model's input is ``input_ids``/``position_ids`` ``[R, N]``: either the samples right-padded
+    (R = B, with ``attention_mask``) or packed into one row without padding (R = 1, no attention
+    mask: position ids restart at 0 for each sample, which tells the attention implementation
+    where each one starts). The loss's view is per sample, ``[B, T]`` (T the longest sample):
+    ``loss_mask``, ``engine_logprobs``, and ``advantages [B]``. ``positions`` are the flat indices
+    (into ``input_ids.view(-1)``) of the ``M`` tokens whose next token is trained, ``targets`` those
+    next tokens, and ``slots`` where their logprobs go in a ``[B, T - 1]`` tensor (row t predicts
+    token t + 1): only trained tokens go through the LM head.
+    """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
     engine_logprobs: torch.Tensor
     advantages: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    slots: torch.Tensor
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self.loss_mask.shape[0]
+
+    @property
+    def packed(self) -> bool:
+        return self.attention_mask is None
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        moved = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return TrainBatch(**{name: None if t is None else t.to(device) for name, t in moved.items()})
+
+    def unflatten(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token ``values [M]`` (of the trained tokens) as ``[B, T - 1]``, 0 elsewhere."""
+        rows, length = self.loss_mask.shape
+        out = values.new_zeros(rows * max(length - 1, 0))
+        return out.index_put((self.slots,), values).view(rows, max(length - 1, 0))
 
 
-def collate(samples: list[Sample], pad_id: int = 0) -> TrainBatch:
-    """Pad ``samples`` on the right into a TrainBatch."""
+def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False) -> TrainBatch:
+    """``samples`` as a TrainBatch: right-padded rows, or with ``packed`` one row without padding."""
     length = max(len(s.input_ids) for s in samples)
     count = len(samples)
-    input_ids = torch.full((count, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(count, length, dtype=torch.long)
     loss_mask = torch.zeros(count, length, dtype=torch.float32)
     engine_logprobs = torch.zeros(count, length, dtype=torch.float32)
+    positions, targets, slots = [], [], []
+    offset = 0
     for i, sample in enumerate(samples):
         n = len(sample.input_ids)
-        input_ids[i, :n] = torch.tensor(sample.input_ids)
-        attention_mask[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         engine_logprobs[i, :n] = torch.tensor(sample.engine_logprobs)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        trained = [t for t in range(n - 1) if sample.loss_mask[t + 1]]  # t predicts t + 1
+        start = offset if packed else i * length
+        positions += [start + t for t in trained]
+        targets += [sample.input_ids[t + 1] for t in trained]
+        slots += [i * (length - 1) + t for t in trained]
+        offset += n
+    if packed:
+        input_ids = torch.tensor([[token for s in samples for token in s.input_ids]], dtype=torch.long)
+        position_ids = torch.tensor([[p for s in samples for p in range(len(s.input_ids))]], dtype=torch.long)
+        attention_mask = None
+    else:
+        input_ids = torch.full((count, length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(count, length, dtype=torch.long)
+        for i, sample in enumerate(samples):
+            input_ids[i, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+            attention_mask[i, : len(sample.input_ids)] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, position_ids, loss_mask, engine_logprobs, advantages)
+    positions, targets, slots = (torch.tensor(index, dtype=torch.long) for index in (positions, targets, slots))
+    return TrainBatch(input_ids, attention_mask, position_ids, loss_mask, engine_logprobs, advantages,
+                      positions, targets, slots)  # fmt: skip
 
 
-def micro_batches(samples: list[Sample], size: int, max_tokens: int | None = None) -> list[list[Sample]]:
+def micro_batches(samples: list[Sample], size: int, max_tokens: int | None = None,
+                  packed: bool = False) -> list[list[Sample]]:  # fmt: skip
     """Consecutive chunks of at most ``size`` samples, sorted by length so padding stays small, and
-    of at most ``max_tokens`` padded tokens (rows x the longest; a longer sample goes alone), so a
-    few long conversations cannot blow up a forward pass."""
+    of at most ``max_tokens`` tokens (padded: rows x the longest; ``packed``: the sum of lengths; a
+    longer sample goes alone), so a few long conversations cannot blow up a forward pass."""
     chunks: list[list[Sample]] = []
+    used = 0
     for sample in sorted(samples, key=lambda s: len(s.input_ids)):
         chunk = chunks[-1] if chunks else None
-        fits = max_tokens is None or (len(chunk or ()) + 1) * len(sample.input_ids) <= max_tokens
+        n = len(sample.input_ids)
+        tokens = used + n if packed else (len(chunk or ()) + 1) * n
+        fits = max_tokens is None or tokens <= max_tokens
         if chunk is None or len(chunk) >= size or not fits:
             chunks.append([sample])
+            used = n
         else:
             chunk.append(sample)
+            used += n
     return chunks

@@ -37,12 +37,13 @@ def _readable(directory: Path) -> None:
             file.chmod(0o644)
 
 
-def save_model_dir(model: Any, tokenizer: Any, directory: str | Path) -> Path:
-    """A Hugging Face model directory (safetensors weights, configs, tokenizer), atomically."""
+def save_model_dir(model: Any, tokenizer: Any, directory: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+    """A Hugging Face model directory (safetensors weights, configs, tokenizer), atomically; the
+    weights are ``state_dict`` when given (the full one gathered from FSDP shards)."""
 
     def write(partial: Path) -> None:
         with quiet_transformers():
-            model.save_pretrained(partial, safe_serialization=True)
+            model.save_pretrained(partial, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(partial)
         _readable(partial)
@@ -55,10 +56,12 @@ def copy_model_dir(source: str | Path, directory: str | Path) -> Path:
     return atomic_directory(directory, lambda partial: shutil.copytree(source, partial, dirs_exist_ok=True))
 
 
-def save_training_checkpoint(accelerator: Any, model: Any, tokenizer: Any, directory: Path,
-                             trainer_state: dict[str, Any]) -> Path:  # fmt: skip
-    """Accelerate's state of every process plus ``trainer_state.json``, the model config and the
-    tokenizer (so the checkpoint loads as a model), renamed into place by the main process."""
+def save_training_checkpoint(accelerator: Any, lm: Any, tokenizer: Any, directory: Path, trainer_state: dict[str, Any],
+                             full_state: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """Accelerate's state of every process plus ``trainer_state.json``, the config and tokenizer of
+    the model ``lm`` (so the checkpoint loads as a model), renamed into place by the main process.
+    ``full_state``: the gathered weights of a sharded (FSDP) run, whose Accelerate state holds
+    shards only, written as the checkpoint's ``model.safetensors``."""
     partial = directory.with_name(directory.name + ".partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -67,10 +70,12 @@ def save_training_checkpoint(accelerator: Any, model: Any, tokenizer: Any, direc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (partial / "trainer_state.json").write_text(json.dumps(trainer_state))
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.config.save_pretrained(partial)
-        if getattr(unwrapped, "generation_config", None) is not None:
-            unwrapped.generation_config.save_pretrained(partial)
+        if full_state is not None:
+            with quiet_transformers():
+                lm.save_pretrained(partial, state_dict=full_state, safe_serialization=True)
+        lm.config.save_pretrained(partial)
+        if getattr(lm, "generation_config", None) is not None:
+            lm.generation_config.save_pretrained(partial)
         with quiet_transformers():
             tokenizer.save_pretrained(partial)
         _readable(partial)

@@ -124,9 +124,24 @@ class GRPOConfig(PromptsConfig):
     """Sequences per forward/backward; gradients accumulate over a step's micro-batches (the
     result does not depend on it)."""
     micro_batch_tokens: int | None = 8192
-    """Most padded tokens (sequences x the longest) per forward/backward: long conversations go in
-    smaller micro-batches (verl's dynamic batch size), since attention's memory grows with the
-    square of the length. None: ``micro_batch_size`` alone. The result does not depend on it."""
+    """Most tokens per forward/backward (padded: sequences x the longest; packed: their sum): long
+    conversations go in smaller micro-batches (verl's dynamic batch size). None:
+    ``micro_batch_size`` alone. The result does not depend on it."""
+
+    # --- memory at a real model's size ---
+    gradient_checkpointing: bool | None = None
+    """Recompute each decoder layer in backward instead of keeping its activations: a long
+    micro-batch's activations shrink to one layer's, for about a quarter more update time. null:
+    on for models of 100 M parameters or more (any real LM), off for the embedded tiny one."""
+    packing: bool | None = None
+    """Concatenate a micro-batch's sequences into one row without padding (position ids restart per
+    sequence). null: where the attention implementation reads packed sequences (flash_attention_2/3,
+    flex_attention); sdpa and eager pad instead (packed, they would need a mask over the whole
+    row). The result does not depend on it."""
+    logprob_chunk_tokens: int = 1024
+    """Trained tokens per chunk through the LM head: one chunk's float32 logits (chunk x vocabulary
+    x 4 bytes: 0.6 GB for Qwen2.5's 151,936) are the most that exists at a time, recomputed in
+    backward. 0: the whole micro-batch's logits at once (the unchunked reference, for benchmarks)."""
 
     # --- bookkeeping ---
     checkpoint_every: int = 10
@@ -152,6 +167,8 @@ class GRPOConfig(PromptsConfig):
         for name in ("steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError(f"logprob_chunk_tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.checkpoint_every < 0 or self.warmup_steps < 0:
@@ -275,6 +292,11 @@ class SFTConfig(CommonConfig):
     the checkpoint as it is."""
     device: str = "cpu"
     """"cpu", or "auto" to let Accelerate pick (CUDA when present)."""
+    gradient_checkpointing: bool | None = None
+    """Recompute each decoder layer in backward (as ``rallyrl train``'s); null: on for models of
+    100 M parameters or more. On, a batch's shared prefix is not cached (rows run in full)."""
+    logprob_chunk_tokens: int = 1024
+    """Trained tokens per chunk through the LM head (as ``rallyrl train``'s); 0: all at once."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

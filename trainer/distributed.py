@@ -6,6 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 
 def sum_across_processes(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
@@ -24,3 +27,25 @@ def max_across_processes(accelerator: Any, value: int) -> int:
         return value
     gathered = accelerator.gather(torch.tensor([value], device=accelerator.device))
     return int(gathered.max())
+
+
+def is_fsdp(accelerator: Any) -> bool:
+    """Whether the run shards its model with FSDP (``accelerate launch --use_fsdp``)."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of an FSDP-sharded model, gathered onto every process (on its device)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
+def shard_like_policy(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen model sharded as Accelerate's FSDP2 plugin shards the policy: each block named in
+    ``_no_split_modules`` (the decoder layers), then the whole; parameters stay in their dtype."""
+    model = model.to(accelerator.device)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(model)
+    return model

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import math
 import random
@@ -29,7 +28,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from rich.console import Console
-from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from data.reward_fns import RewardFn
 from data.schema import Record, load_records
@@ -52,13 +50,13 @@ from rollout.runner import RolloutRunner
 from rollout.stats import RolloutCounts
 from rollout.tokens import load_tokenizer
 from trainer.async_rl import Group, GroupProducer, MeteredEngine, PromptLedger
-from trainer.batch import Sample, TrainBatch, collate, micro_batches
+from trainer.batch import Sample
 from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
 from trainer.config import GRPOConfig
 from trainer.distributed import max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
-from trainer.losses import entropy_from_logits, policy_loss, token_logprobs, truncated_is_weights
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
+from trainer.policy import Policy
 from trainer.weight_sync import sync_weights
 
 
@@ -115,13 +113,8 @@ class GRPOTrainer:
         self.out = Path(config.out)
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True, dtype=torch.float32)
-        self.reference = None
-        if config.kl_beta > 0:  # a frozen copy of the initial policy; none when beta is 0
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False).to(self.accelerator.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.policy = Policy(config, self.accelerator, self.model_dir, self.tokenizer.pad_token_id or 0)
+        self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
         self.interactions = setup_interactions(config.interactions)
         self.judge = make_judge(config.judge) if reward_fn is None else None
@@ -139,14 +132,15 @@ class GRPOTrainer:
         return self.accelerator.is_main_process
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.accelerator.unwrap_model(self.model).state_dict()
+        """The policy's full state dict under the LM's own names (gathered under FSDP)."""
+        return self.policy.state_dict()
 
     def open_engine(self) -> Any:
         """The configured engine, not yet entered: servers, or an in-process engine on its own copy
         of the policy (synced in-process after each step)."""
         policy = None
         if not self.config.engine.urls and self.config.engine.kind == "local":
-            policy = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+            policy = self.policy.engine_copy()
         return open_engine(self.config.engine, self.model_dir, max_model_len=self.config.rollout.max_model_len,
                            seed=self.config.seed + 1000 * self.accelerator.process_index, model=policy)  # fmt: skip
 
@@ -260,134 +254,18 @@ class GRPOTrainer:
         return group_samples(kept, config.advantage_mode, config.advantage_scale, config.gamma)
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        """ppo_epochs optimizer steps over ``samples``; the loss is normalised by global counts."""
-        config, accelerator = self.config, self.accelerator
-        self.model.train()
-        chunks = micro_batches(samples, config.micro_batch_size, config.micro_batch_tokens)
-        batches = [collate(chunk, self.tokenizer.pad_token_id or 0).to(accelerator.device) for chunk in chunks]
-        local_tokens = sum(float(b.loss_mask[:, 1:].sum()) for b in batches)
-        local_seqs = sum(int((b.loss_mask[:, 1:].sum(1) > 0).sum()) for b in batches)
-        local_rows = sum(len(b) for b in batches)
-        local = {"tokens": local_tokens, "seqs": local_seqs, "rows": local_rows}
-        counts = sum_across_processes(self.accelerator, local)
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "approx_kl": 0.0}
-        if counts["tokens"] == 0:  # every group filtered out everywhere: no signal, so no optimizer step
-            self.model.eval()
-            return {**totals, "grad_norm": 0.0, "tokens": 0.0, "sequences": 0, "skipped_update": 1}
-        rows = counts["rows"]
-        normaliser = {  # the global denominator of each aggregation
-            "token-mean": max(counts["tokens"], 1.0),
-            "seq-mean-token-mean": max(counts["seqs"], 1.0),
-            "seq-mean-token-sum-norm": max(rows, 1.0) * config.generation_budget,  # Dr. GRPO: a fixed budget
-        }[config.loss_aggregation]
-        old = None
-        if config.ppo_epochs > 1:  # the policy before this step's updates
-            with torch.no_grad():
-                old = [self.logprobs(b)[0] for b in batches]
-
-        grad_norms = []
-        for _ in range(config.ppo_epochs):
-            for i, batch in enumerate(batches or [None]):
-                last = i == max(len(batches), 1) - 1
-                context = accelerator.no_sync(self.model) if not last else contextlib.nullcontext()
-                with context:
-                    if batch is None:  # nothing to train on here: join the gradient sync with zeros
-                        loss = sum(p.sum() * 0.0 for p in self.model.parameters())
-                        accelerator.backward(loss)
-                        continue
-                    out = self.micro_batch_loss(batch, None if old is None else old[i], normaliser)
-                    accelerator.backward(out.pop("scaled_loss"))
-                weight = float(batch.loss_mask[:, 1:].sum())
-                for key in totals:
-                    totals[key] += out[key] * weight
-            grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-            grad_norms.append(float(grad_norm))
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        summed = sum_across_processes(self.accelerator, {k: v for k, v in totals.items()})
-        tokens = max(counts["tokens"], 1.0) * config.ppo_epochs
-        metrics = {key: value / tokens for key, value in summed.items()}
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["tokens"] = counts["tokens"] * config.ppo_epochs
-        metrics["sequences"] = counts["seqs"]
-        metrics["skipped_update"] = 0
-        return metrics
-
-    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs of ``input_ids[:, 1:]`` under the policy (at the rollout temperature),
-        and the logits they came from."""
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits[:, :-1]
-        if self.config.rollout.temperature > 0:
-            logits = logits / self.config.rollout.temperature
-        return token_logprobs(logits.float(), batch.input_ids[:, 1:]), logits
-
-    def micro_batch_loss(self, batch: TrainBatch, old: torch.Tensor | None, normaliser: float) -> dict[str, Any]:
-        config = self.config
-        mask = batch.loss_mask[:, 1:]
-        logprobs, logits = self.logprobs(batch)
-        old_logprobs = logprobs.detach() if old is None else old
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(
-                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-                ).logits[:, :-1]
-                if config.rollout.temperature > 0:
-                    ref_logits = ref_logits / config.rollout.temperature
-                reference = token_logprobs(ref_logits.float(), batch.input_ids[:, 1:])
-        is_weights = None
-        if config.tis_cap is not None:
-            is_weights = truncated_is_weights(old_logprobs, batch.engine_logprobs[:, 1:], config.tis_cap) * mask
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.float())
-        drgrpo = config.loss_aggregation == "seq-mean-token-sum-norm"
-        out = policy_loss(
-            logprobs,
-            old_logprobs,
-            batch.advantages,
-            mask,
-            eps_low=config.eps_low,
-            eps_high=config.eps_high,
-            aggregation=config.loss_aggregation,
-            agg_constant=1.0 if drgrpo else None,
-            ref_logprobs=reference,
-            kl_beta=config.kl_beta,
-            kl_estimator=config.kl_estimator,
-            is_weights=is_weights,
-            entropy=entropy,
-        )
-        # the micro-batch's aggregate times its own count is its un-normalised share; divided by
-        # the global count it becomes its share of the global loss. DDP averages gradients over
-        # processes, hence the factor num_processes.
-        own_count = {
-            "token-mean": float(mask.sum()),
-            "seq-mean-token-mean": float((mask.sum(1) > 0).sum()),
-            "seq-mean-token-sum-norm": float(len(batch)),
-        }[config.loss_aggregation]
-        scale = own_count / normaliser * self.accelerator.num_processes
-        return {
-            "scaled_loss": out.loss * scale,
-            "loss": float(out.loss.detach()),
-            "pg_loss": out.pg_loss,
-            "kl": out.kl,
-            "clip_fraction": out.clip_fraction,
-            "entropy": out.entropy or 0.0,
-            "approx_kl": out.approx_kl,
-        }
+        """ppo_epochs optimizer steps over ``samples`` (``trainer/policy.py``)."""
+        return self.policy.update(samples)
 
     async def sync(self, engine: Engine, version: int) -> None:
         """The policy's weights to ``engine`` as ``version``. Servers are shared by every process,
         so the main process saves and syncs them while the others wait."""
-        policy = self.accelerator.unwrap_model(self.model)
+        lm, state = self.policy.language_model(), self.policy.state_dict()  # (gathered by all under FSDP)
         if not isinstance(engine, LoadsWeightsFromDisk):
-            await sync_weights(engine, policy, self.tokenizer, self.out / "weights", version)
+            await sync_weights(engine, lm, state, self.tokenizer, self.out / "weights", version)
             return
         if self.is_main:
-            await sync_weights(engine, policy, self.tokenizer, self.out / "weights", version)
+            await sync_weights(engine, lm, state, self.tokenizer, self.out / "weights", version)
         await asyncio.to_thread(self.accelerator.wait_for_everyone)  # the event loop keeps requests moving
 
     def rollout_metrics(self, requests: list[AsyncRolloutRequest], policy_version: int = 0) -> dict[str, Any]:
@@ -545,8 +423,10 @@ class GRPOTrainer:
             self.state.streams = gather_object([self.ledger.state()])
             lowest = gather_object([self.ledger.lowest_unconsumed_position()])
             self.state.data_position = min(lowest)
-        save_training_checkpoint(self.accelerator, self.model, self.tokenizer, parent / f"step-{self.state.step:06d}",
-                                 dataclasses.asdict(self.state))  # fmt: skip
+        full = self.policy.state_dict() if self.policy.sharded else None
+        directory = parent / f"step-{self.state.step:06d}"
+        save_training_checkpoint(self.accelerator, self.policy.language_model(), self.tokenizer, directory,
+                                 dataclasses.asdict(self.state), full)  # fmt: skip
         if self.is_main:
             prune_checkpoints(parent, self.config.keep_checkpoints)
 
@@ -563,9 +443,10 @@ class GRPOTrainer:
     def save_final(self, history: list[dict[str, Any]]) -> None:
         """``out/final/``: a Hugging Face model directory the engines load; ``out/curves.png``."""
         self.accelerator.wait_for_everyone()
+        state = self.policy.state_dict()  # (gathered by all under FSDP)
         if not self.is_main:
             return
-        save_model_dir(self.accelerator.unwrap_model(self.model), self.tokenizer, self.out / "final")
+        save_model_dir(self.policy.language_model(), self.tokenizer, self.out / "final", state)
         if history:
             plot_curves(history, self.out / "curves.png")
 

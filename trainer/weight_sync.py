@@ -23,14 +23,16 @@ KEEP_WEIGHT_DIRS = 2
 """Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
 
 
-def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> Path:
-    """Save ``model`` (safetensors, config, tokenizer) as ``weights_dir/v{version:06d}``, atomically;
-    older versions beyond ``KEEP_WEIGHT_DIRS`` are removed."""
+def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
+    """Save ``model`` (safetensors, config, tokenizer; ``state_dict`` for its weights when given, as
+    gathered from FSDP shards) as ``weights_dir/v{version:06d}``, atomically; older versions beyond
+    ``KEEP_WEIGHT_DIRS`` are removed."""
 
     def write(partial: Path) -> None:
         hf_logging.disable_progress_bar()  # one save per step: no "Writing model shards" bar each time
         try:
-            model.save_pretrained(partial, safe_serialization=True)
+            model.save_pretrained(partial, state_dict=state_dict, safe_serialization=True)
         finally:
             hf_logging.enable_progress_bar()
         if tokenizer is not None:
@@ -43,9 +45,10 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, vers
     return final
 
 
-async def sync_weights(engine: Engine, model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int) -> int:
-    """Give ``engine`` the weights of ``model`` as ``version``; returns the version it reports."""
+async def sync_weights(engine: Engine, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any,
+                       weights_dir: Path, version: int) -> int:  # fmt: skip
+    """Give ``engine`` the weights ``state_dict`` of ``model`` as ``version``; returns the version it reports."""
     if isinstance(engine, LoadsWeightsFromDisk):
-        path = save_weights(model, tokenizer, weights_dir, version)
+        path = save_weights(model, tokenizer, weights_dir, version, state_dict)
         return await engine.sync_weights_from_disk(str(path.resolve()), version)
-    return await engine.update_weights(model.state_dict(), weight_version=version)
+    return await engine.update_weights(state_dict, weight_version=version)
