@@ -56,7 +56,7 @@ from trainer.config import GRPOConfig
 from trainer.distributed import max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
-from trainer.policy import Policy
+from trainer.policy import Policy, compute_dtype, load_lm
 from trainer.weight_sync import sync_weights
 
 
@@ -113,7 +113,9 @@ class GRPOTrainer:
         self.out = Path(config.out)
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.policy = Policy(config, self.accelerator, self.model_dir, self.tokenizer.pad_token_id or 0)
+        reference = load_lm(self.model_dir, compute_dtype(self.accelerator)) if config.kl_beta > 0 else None
+        self.policy = Policy(config, self.accelerator, load_lm(self.model_dir), self.tokenizer.pad_token_id or 0,
+                             reference)  # fmt: skip
         self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
         self.interactions = setup_interactions(config.interactions)

@@ -40,9 +40,12 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperatu
 
 
 def _entropy_of_log_probs(logp: Tensor) -> Tensor:
-    """``-sum p log p`` per row of float32 log-probabilities (``-inf`` entries contribute 0)."""
-    safe = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return -(logp.exp() * safe).sum(-1)
+    """``-sum p log p`` per row of float32 log-probabilities (``-inf`` entries contribute 0), with
+    one temporary of their size."""
+    terms = logp.exp()
+    terms *= logp
+    terms.nan_to_num_(nan=0.0)  # 0 * -inf
+    return -terms.sum(-1)
 
 
 def _forward_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
@@ -122,7 +125,7 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: T
     divided by ``temperature``, and the entropy ``[M]`` of each softmax (no gradient) when asked.
 
     At most ``chunk_tokens`` rows of logits exist at a time; 0 computes them all at once
-    (``unchunked_logprobs``, the reference computation).
+    (``unchunked_logprobs``, a reference).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         shapes = f"{tuple(hidden.shape)} and {tuple(targets.shape)}"
@@ -161,4 +164,21 @@ def unchunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias:
     if with_entropy:
         with torch.no_grad():
             entropy = _entropy_of_log_probs(logits.log_softmax(-1))
+    return logprobs, entropy
+
+
+def full_logits_logprobs(logits: Tensor, positions: Tensor, targets: Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The computation before chunking, from the model's logits ``[N, V]`` of every position: divided
+    by the temperature, a float32 ``log_softmax`` and an entropy over all of them, then the rows at
+    ``positions``. ``logprob_chunk_tokens: 0`` selects it, as the reference row of
+    ``benchmarks/trainer_memory.py`` and of the tests."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.float().log_softmax(-1)
+    logprobs = logp.index_select(0, positions).gather(-1, targets.long()[:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = _entropy_of_log_probs(logits.float().log_softmax(-1)).index_select(0, positions)
     return logprobs, entropy

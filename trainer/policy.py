@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, get_constant_sch
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.config import GRPOConfig
 from trainer.distributed import full_state_dict, is_fsdp, shard_like_policy, sum_across_processes
-from trainer.logprobs import chunked_logprobs
+from trainer.logprobs import chunked_logprobs, full_logits_logprobs
 from trainer.losses import policy_loss, truncated_is_weights
 
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -65,6 +65,10 @@ class PolicyModel(torch.nn.Module):
                 positions: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024,
                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Logprobs ``[M]`` of ``targets`` after the tokens at flat ``positions`` of ``input_ids``."""
+        if chunk_tokens == 0:  # the computation before chunking: every position's logits at once
+            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).logits  # fmt: skip
+            return full_logits_logprobs(logits.flatten(0, 1), positions, targets, temperature, with_entropy)
         decoder = getattr(self, self.lm.base_model_prefix)
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state  # fmt: skip
@@ -103,14 +107,17 @@ def compute_dtype(accelerator: Any) -> torch.dtype:
 class Policy:
     """The policy and its optimizer, prepared by Accelerate, with the frozen reference of the KL term."""
 
-    def __init__(self, config: GRPOConfig, accelerator: Any, model_dir: Path, pad_id: int):
+    def __init__(self, config: GRPOConfig, accelerator: Any, lm: PreTrainedModel, pad_id: int,
+                 reference: PreTrainedModel | None = None):  # fmt: skip
+        """``lm``: the policy in float32 (master weights; autocast computes in bf16 on CUDA);
+        ``reference``: the initial policy in ``compute_dtype`` when ``kl_beta > 0``."""
         self.config, self.accelerator, self.pad_id = config, accelerator, pad_id
-        lm = load_lm(model_dir, torch.float32)  # float32 master weights (autocast computes in bf16 on CUDA)
         self.checkpointing = wants_checkpointing(config.gradient_checkpointing, lm)
         self.packing = wants_packing(config.packing, lm)
-        reference = None
-        if config.kl_beta > 0:  # the initial policy, frozen, in the compute dtype; none when beta is 0
-            reference = PolicyModel(load_lm(model_dir, compute_dtype(accelerator)).eval().requires_grad_(False))
+        if (reference is None) != (config.kl_beta <= 0):
+            raise ValueError("a reference model is needed exactly when kl_beta > 0")
+        if reference is not None:
+            reference = PolicyModel(reference.eval().requires_grad_(False))
         if self.checkpointing:
             enable_checkpointing(lm)
         model = PolicyModel(lm)
@@ -282,5 +289,6 @@ def _fsdp_no_sync(model: Any) -> Any:
 
 
 
-def load_lm(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
+def load_lm(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A local Hugging Face causal LM in ``dtype``."""
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
