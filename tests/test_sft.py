@@ -24,7 +24,6 @@ from trainer.sft import (
     calc_chat,
     collate,
     load_examples,
-    masked_cross_entropy,
     run_recipe,
     run_sft,
     sft_loss,
@@ -161,14 +160,19 @@ def test_trajectories_below_min_reward_are_left_out(chat, tmp_path):
 # ----- the loss ---------------------------------------------------------------------------------
 
 
-def test_loss_ignores_targets_outside_the_mask():
-    torch.manual_seed(0)
-    logits, targets = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
-    mask = torch.tensor([[0, 1, 1, 0, 0, 1], [1, 0, 0, 0, 1, 0]])
-    changed = torch.where(mask.bool(), targets, (targets + 3) % 11)
-    assert masked_cross_entropy(logits, changed, mask) == masked_cross_entropy(logits, targets, mask)
-    expected = torch.nn.functional.cross_entropy(logits[mask.bool()], targets[mask.bool()])
-    assert masked_cross_entropy(logits, targets, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+def test_loss_ignores_targets_outside_the_mask(chat, model):
+    examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(2, seed=0)]
+    batch = collate(examples, chat.tokenizer.pad_token_id)
+    untrained = ~batch.loss_mask.bool()
+    untrained[:, : batch.shared_prefix + 1] = False  # the shared prefix is the same in every row
+    changed = torch.where(untrained, (batch.input_ids + 3) % model.config.vocab_size, batch.input_ids)
+    with torch.no_grad():
+        loss = sft_loss(model, batch)
+        assert sft_loss(model, Batch(changed, batch.loss_mask, batch.shared_prefix)) != loss  # inputs changed
+        logits = model(input_ids=batch.input_ids).logits[:, :-1]
+    mask = batch.loss_mask[:, 1:].bool()
+    expected = torch.nn.functional.cross_entropy(logits[mask], batch.input_ids[:, 1:][mask])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_changing_tool_output_tokens_does_not_change_the_loss(chat, model):

@@ -63,15 +63,26 @@ class PolicyModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 positions: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024,
-                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Logprobs ``[M]`` of ``targets`` after the tokens at flat ``positions`` of ``input_ids``."""
+                with_entropy: bool = False, shared_prefix: int = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Logprobs ``[M]`` of ``targets`` after the tokens at flat ``positions`` of ``input_ids``.
+
+        ``shared_prefix`` (SFT): the first tokens, the same in every row and not trained, run once
+        (batch 1) and their keys and values serve every row; ``positions`` then index the rows
+        without them (``[R, N - shared_prefix]``)."""
         if chunk_tokens == 0:  # the computation before chunking: every position's logits at once
             logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False).logits  # fmt: skip
             return full_logits_logprobs(logits.flatten(0, 1), positions, targets, temperature, with_entropy)
         decoder = getattr(self, self.lm.base_model_prefix)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state  # fmt: skip
+        if shared_prefix:
+            cache = decoder(input_ids=input_ids[:1, :shared_prefix], use_cache=True).past_key_values
+            cache.batch_repeat_interleave(input_ids.shape[0])
+            hidden = decoder(input_ids=input_ids[:, shared_prefix:], past_key_values=cache,
+                             use_cache=True).last_hidden_state  # fmt: skip
+        else:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state  # fmt: skip
         hidden = hidden.flatten(0, 1).index_select(0, positions)
         head = self.lm.get_output_embeddings()
         return chunked_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature,

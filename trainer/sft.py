@@ -21,7 +21,6 @@ from typing import Any
 
 import orjson
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -41,6 +40,7 @@ from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import BaseTool
 from trainer.checkpoints import quiet_transformers, save_model_dir
 from trainer.config import SFTConfig
+from trainer.policy import PolicyModel, enable_checkpointing, wants_checkpointing
 from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
 
 __all__ = ["RECIPES", "Batch", "Example", "SFTConfig", "calc_chat", "collate", "load_examples", "run_recipe", "run_sft",
@@ -68,29 +68,25 @@ EVAL_ROLLOUT = RolloutConfig(max_turns=3, max_new_tokens=128, temperature=0.0)
 """How held-out problems are rolled out: greedy, at most 3 turns of 128 tokens (a calc call is 67-76)."""
 
 
-def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the tokens where ``mask`` is 1 (a token mean over the whole batch)."""
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-    mask = mask.flatten().to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
-
-
-def sft_loss(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy on the trained tokens of a batch.
+def sft_loss(model: PreTrainedModel | PolicyModel, batch: Batch, chunk_tokens: int = 1024) -> torch.Tensor:
+    """Mean next-token cross-entropy over the trained tokens of a batch (a token mean), from the
+    final hidden states in chunks through the LM head (``trainer/logprobs.py``): no ``[tokens,
+    vocabulary]`` tensor outlives its chunk.
 
     With a shared prefix, the prefix is run once (batch 1) and its keys and values are repeated
     for every row: the same result as running every row in full, at a fraction of the cost when
     the rows share a long system prompt. Right padding needs no attention mask: causal attention
     keeps real tokens from seeing the padding after them, and padded positions carry no loss.
     """
+    policy = model if isinstance(model, PolicyModel) or hasattr(model, "module") else PolicyModel(model)
     ids, p = batch.input_ids, batch.shared_prefix
-    if p:
-        cache = model(input_ids=ids[:1, :p], use_cache=True).past_key_values
-        cache.batch_repeat_interleave(ids.shape[0])
-        logits = model(input_ids=ids[:, p:], past_key_values=cache, use_cache=True).logits
-    else:
-        logits = model(input_ids=ids, use_cache=False).logits
-    return masked_cross_entropy(logits[:, :-1], ids[:, p + 1 :], batch.loss_mask[:, p + 1 :])
+    length = ids.shape[1]
+    trained = batch.loss_mask[:, p + 1 :].bool()  # row r, column t: token p + 1 + t, predicted from p + t
+    row_index, column = trained.nonzero(as_tuple=True)
+    positions = row_index * (length - p) + column
+    targets = ids[:, p + 1 :][trained]
+    logprobs, _ = policy(ids, None, None, positions, targets, chunk_tokens=chunk_tokens, shared_prefix=p)
+    return -logprobs.sum() / max(int(trained.sum()), 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +163,11 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     out.mkdir(parents=True, exist_ok=True)
 
     # model, tokenizer and the rollout's chat layout
-    model, tokenizer = load_model(config)
+    lm, tokenizer = load_model(config)
+    checkpointing = wants_checkpointing(config.gradient_checkpointing, lm)
+    if checkpointing:
+        enable_checkpointing(lm)
+    model = PolicyModel(lm)
     model.train()
     chat, tools = calc_chat(tokenizer)
     examples = load_examples(config, chat)
@@ -194,7 +194,9 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
         for step in range(1, config.steps + 1):
             # one optimizer step on a batch
             batch = collate(next(data), tokenizer.pad_token_id).to(accelerator.device)
-            loss = sft_loss(model, batch)
+            if checkpointing:  # recomputed layers cannot share a cached prefix: rows run in full
+                batch.shared_prefix = 0
+            loss = sft_loss(model, batch, config.logprob_chunk_tokens)
             accelerator.backward(loss)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             optimizer.step()
@@ -224,7 +226,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
             # checkpoint and held-out greedy evaluation
             if step % config.eval_every == 0 or step == config.steps:
                 with quiet_transformers():
-                    checkpoint = save_model_dir(accelerator.unwrap_model(model), tokenizer, out / f"step-{step}")
+                    checkpoint = save_model_dir(lm, tokenizer, out / f"step-{step}")
                 entry = {"kind": "eval", "step": step, "checkpoint": str(checkpoint)}
                 if config.eval_prompts:
                     device = "cpu" if config.device == "cpu" else str(accelerator.device)
