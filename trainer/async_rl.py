@@ -16,7 +16,7 @@ takes them as they finish.
 - ``MeteredEngine``: the engine as the rollout sees it, counting the seconds when no
   generation is in flight (the engine idle fraction of the metrics).
 
-The trainer loop (``GRPOTrainer.train_async`` in ``trainer/grpo.py``) collects groups, updates
+The trainer loop (``train_async`` in ``trainer/grpo_async.py``) collects groups, updates
 in a worker thread while this event loop keeps the requests moving, then syncs the weights;
 requests in flight at the sync continue from their tokens on the new weights (the engines
 resume them) and each token keeps the version that produced it.

@@ -1,15 +1,17 @@
 """GRPO on Accelerate, one step read top to bottom in ``GRPOTrainer.step``:
 
     rollout (refilled until enough groups have signal) -> rewards -> advantages
-    -> ppo_epochs x (micro-batches -> backward) -> clip -> step -> sync -> log
+    -> update (``trainer/policy.py``: ppo_epochs x micro-batches -> clip -> step) -> sync -> log
 
-``GRPOConfig.async_rl`` overlaps the two halves (``GRPOTrainer.train_async``): rollouts run on
+``GRPOConfig.async_rl`` overlaps the two halves (``trainer/grpo_async.py``): rollouts run on
 in the background (``trainer/async_rl.py``) while the trainer updates on the groups that
 finished, within ``max_staleness`` policy versions.
 
 Data parallel with ``accelerate launch``: every process rolls out its share of the step's
 prompts (whole groups), and the loss is normalised by global counts so that N processes make
-the same update as one process on the same global batch.
+the same update as one process on the same global batch. With Accelerate's FSDP plugin each
+process holds shards of the weights and optimizer state; the full weights are gathered for the
+engines, ``final/`` and each checkpoint's model files.
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
 from rollout.stats import RolloutCounts
 from rollout.tokens import load_tokenizer
-from trainer.async_rl import Group, GroupProducer, MeteredEngine, PromptLedger
+from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
 from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
 from trainer.config import GRPOConfig
 from trainer.distributed import max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
+from trainer.grpo_async import train_async
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
 from trainer.policy import Policy, compute_dtype, load_lm
 from trainer.weight_sync import sync_weights
@@ -320,7 +323,7 @@ class GRPOTrainer:
                     return bool(due) or self.state.step == config.steps
 
                 if config.async_rl:
-                    await self.train_async(finished)
+                    await train_async(self, finished)
                 else:
                     runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
                                            reward_fn=self.reward_fn, progress=False,
@@ -330,87 +333,6 @@ class GRPOTrainer:
                             self.save_checkpoint()
         self.save_final(history)
         return history
-
-    # ----- asynchronous RL ---------------------------------------------------------------------
-
-    async def train_async(self, finished: Any) -> None:
-        """Steps on groups a background producer keeps rolling out (``trainer/async_rl.py``)."""
-        config, accelerator = self.config, self.accelerator
-        rank, world = accelerator.process_index, accelerator.num_processes
-        share = len(range(rank, config.prompts_per_step, world))
-        streams = self.state.streams
-        if streams is not None and len(streams) != world:
-            raise ValueError(f"--resume: the checkpoint was written by {len(streams)} processes, this run has {world}")
-        ledger = PromptLedger(self.prompts.records, rank, world, streams[rank] if streams else None)
-        if streams is None and self.state.data_position:  # a synchronous run's checkpoint
-            ledger.mark = ledger.cursor = max(0, -(-(self.state.data_position - rank) // world))
-        self.ledger = ledger
-
-        def no_signal(group: Group) -> bool:  # filtered out, or every request failed
-            return not select_groups(group.requests, config.filter_groups, 1)[0]
-
-        producer = GroupProducer(
-            self.metered, self.chat, self.tools, config.rollout, self.reward_fn, ledger, config.samples_per_prompt,
-            capacity=(config.max_staleness + 1) * share, seed=config.seed, version=self.state.step, discard=no_signal,
-            interactions=self.interactions, agent=self.agent,
-        )  # fmt: skip
-        async with producer:
-            while self.state.step < config.steps:
-                if finished(await self.async_step(producer, share)):
-                    await asyncio.to_thread(self.save_checkpoint)  # requests go on meanwhile
-
-    async def async_step(self, producer: GroupProducer, share: int) -> dict[str, Any]:
-        """Take finished groups until ``share`` have signal (or ``max_draws`` is reached), update on
-        them in a worker thread while rollouts go on, then sync the engine."""
-        config, ledger = self.config, self.ledger
-        version = self.state.step
-        timer = PhaseTimer()
-        cap = max(share, math.floor(share * config.max_draws)) if config.filter_groups else share
-        taken: list[AsyncRolloutRequest] = []
-        kept: list[AsyncRolloutRequest] = []
-        trained = draws = dropped = 0
-        stats = dict(select_groups([], config.filter_groups, 1)[1])  # every key, so that processes sum alike
-        with timer("wait"):
-            while trained < share and draws < cap:
-                group, discarded = await producer.next_finished()
-                if not discarded and group.staleness(version) > config.max_staleness:  # too late: regenerate
-                    ledger.regenerate(group.position, group.attempt)
-                    dropped += 1
-                    await producer.release()
-                    continue
-                ledger.consume(group.position)
-                draws += 1
-                taken += group.requests
-                usable, counts = select_groups(group.requests, config.filter_groups, 1)
-                for key, value in counts.items():
-                    stats[key] = stats.get(key, 0) + value
-                if usable:
-                    kept += usable
-                    trained += 1
-                elif not discarded:  # (a producer without ``discard``) its slot reopens now
-                    await producer.release()
-        stats.update(prompts_drawn=draws, draw_cap_hit=float(trained < share), dropped=dropped,
-                     queued_groups=producer.queued())  # fmt: skip
-        with timer("update"):
-            rollout, stats, update = await asyncio.to_thread(self.async_update, taken, kept, stats, version)
-        with timer("sync"):
-            await self.sync(self.engine, version + 1)
-        self.state.step += 1
-        producer.version = self.state.step
-        await producer.release(trained)  # their slots reopen on the new weights
-        stats["draw_cap_hit"] = float(stats["draw_cap_hit"] > 0)
-        return self.step_metrics(rollout, stats, update, timer)
-
-    def async_update(self, taken: list[AsyncRolloutRequest], kept: list[AsyncRolloutRequest],
-                     stats: dict[str, float], version: int) -> tuple[dict, dict, dict]:  # fmt: skip
-        """The collective part of an async step (run in a worker thread): counts over processes,
-        the update, the rollout statistics of the groups taken."""
-        stats = sum_across_processes(self.accelerator, stats)
-        update = self.update(self.samples_of(kept))
-        rollout = self.rollout_metrics(taken, policy_version=version)
-        trained = self.rollout_metrics(kept, policy_version=version)  # staleness: of the trained tokens
-        rollout.update(staleness_mean=trained["staleness_mean"], staleness_max=trained["staleness_max"])
-        return rollout, stats, update
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.is_main:
