@@ -210,9 +210,10 @@ class Policy:
             "seq-mean-token-mean": float((mask.sum(1) > 0).sum()),
             "seq-mean-token-sum-norm": float(len(batch)),
         }[config.loss_aggregation]
-        scale = own_count / normaliser * self.accelerator.num_processes
+        share = own_count / normaliser
         return {
-            "scaled_loss": out.loss * scale,
+            "scaled_loss": out.loss * share * self.accelerator.num_processes,
+            "share": share,
             "loss": float(out.loss.detach()),
             "pg_loss": out.pg_loss,
             "kl": out.kl,
@@ -263,9 +264,11 @@ class Policy:
                         continue
                     out = self.micro_batch_loss(batch, None if old is None else old[i], normaliser)
                     accelerator.backward(out.pop("scaled_loss"))
+                # the losses: each micro-batch's share of the global aggregate (their sum is the
+                # step's loss, however samples are grouped); the rest: means over trained tokens
                 weight = float(batch.loss_mask[:, 1:].sum())
                 for key in totals:
-                    totals[key] += out[key] * weight
+                    totals[key] += out[key] * (out["share"] if key in ("loss", "pg_loss") else weight)
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             grad_norms.append(float(grad_norm))
             self.optimizer.step()
@@ -274,7 +277,8 @@ class Policy:
         self.model.eval()
         summed = sum_across_processes(accelerator, totals)
         tokens = max(counts["tokens"], 1.0) * config.ppo_epochs
-        metrics = {key: value / tokens for key, value in summed.items()}
+        metrics = {key: value / (config.ppo_epochs if key in ("loss", "pg_loss") else tokens)
+                   for key, value in summed.items()}  # fmt: skip
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["tokens"] = counts["tokens"] * config.ppo_epochs
         metrics["sequences"] = counts["seqs"]
