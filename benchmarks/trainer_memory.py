@@ -108,14 +108,14 @@ def trajectories(row: Row, seed: int = 0) -> list:
 def measure(row: Row, repeats: int, chunk_tokens: int = 1024) -> dict:
     """One row, in this process: build, one warm-up update, ``repeats`` timed updates."""
     import torch
-    from accelerate import Accelerator
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainer.config import GRPOConfig
+    from trainer.distributed import make_accelerator
     from trainer.policy import Policy
 
     cuda = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")  # as GRPOTrainer's
+    accelerator = make_accelerator()  # GRPOTrainer's
     config = Qwen2Config(vocab_size=VOCABULARY, max_position_embeddings=32768, **SHAPES[row.shape])
     with torch.device(accelerator.device):
         lm = Qwen2ForCausalLM(config)

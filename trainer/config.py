@@ -130,9 +130,10 @@ class GRPOConfig(PromptsConfig):
 
     # --- memory at a real model's size ---
     gradient_checkpointing: bool | None = None
-    """Recompute each decoder layer in backward instead of keeping its activations: a long
-    micro-batch's activations shrink to one layer's, for about a quarter more update time. null:
-    on for models of 100 M parameters or more (any real LM), off for the embedded tiny one."""
+    """Recompute each decoder layer in backward instead of keeping its activations: a micro-batch's
+    activations shrink to one layer's (Qwen2.5-1.5B shape, 64 x 1,024 tokens on an H200: 54 -> 29
+    GiB) for 1.2-1.35x the update time at the same micro-batch. null: on for models of 100 M
+    parameters or more (any real LM), off for the embedded tiny one."""
     packing: bool | None = None
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart per
     sequence). null: where the attention implementation reads packed sequences (flash_attention_2/3,

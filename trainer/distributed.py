@@ -1,15 +1,37 @@
-"""Sums and maxima across the processes of a data-parallel run (``accelerate launch``); the
-identity in a single process."""
+"""The processes of a run: the Accelerator every trainer uses (one process, DDP or FSDP through
+``accelerate launch``), sums and maxima across processes (the identity in a single process), and
+the whole state of a model that FSDP shards."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
+
+def make_accelerator() -> Accelerator:
+    """The run's Accelerator: bf16 autocast over float32 weights on CUDA, float32 on the CPU (gloo
+    ranks under ``accelerate launch``); the scheduler steps once per optimizer step, however many
+    processes.
+
+    ``accelerate launch --use_fsdp`` on a machine without CUDA: Accelerate 1.15 keeps FSDP to
+    accelerators and would silently fall back to DDP, while torch's ``fully_shard`` runs on gloo;
+    so the launcher's FSDP settings (its ``FSDP_*`` environment) are applied here.
+    """
+    cuda = torch.cuda.is_available()
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no",
+                              step_scheduler_with_optimizer=False)  # fmt: skip
+    launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if launched_fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # (prepare reads this one)
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* settings
+    return accelerator
 
 def sum_across_processes(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
     """Each value summed over every process (every process gets the sums)."""

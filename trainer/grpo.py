@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from rich.console import Console
 
@@ -55,7 +54,7 @@ from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
 from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
 from trainer.config import GRPOConfig
-from trainer.distributed import max_across_processes, sum_across_processes
+from trainer.distributed import make_accelerator, max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
 from trainer.grpo_async import train_async
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
@@ -109,9 +108,7 @@ class GRPOTrainer:
             load_agent(config.agent)  # a bad entry point fails before the model loads
         self.console = console or Console(stderr=True, soft_wrap=True)
         set_threads(config.threads)
-        # cpu=True without CUDA: under torchrun (`accelerate launch --multi_gpu`) that gives gloo ranks
-        cuda = torch.cuda.is_available()
-        self.accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")
+        self.accelerator = make_accelerator()  # DDP or FSDP under `accelerate launch`
         set_seed(config.seed, device_specific=True)
         self.out = Path(config.out)
         self.model_dir = resolve_model(config.model)
@@ -378,4 +375,6 @@ class GRPOTrainer:
 def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:
     """Run GRPO from a config (the ``rallyrl train`` entry point)."""
     trainer = GRPOTrainer(config)
-    return asyncio.run(trainer.train(resume=resume))
+    history = asyncio.run(trainer.train(resume=resume))
+    trainer.accelerator.end_training()  # the process group, before the interpreter exits
+    return history

@@ -61,6 +61,10 @@ class PolicyModel(torch.nn.Module):
     def config(self) -> Any:
         return self.lm.config
 
+    def tie_weights(self, *args: Any, **kwargs: Any) -> Any:
+        """The LM's own (Accelerate's FSDP loading re-ties the weights through the module it wraps)."""
+        return self.lm.tie_weights(*args, **kwargs)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 positions: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024,
                 with_entropy: bool = False, shared_prefix: int = 0,
@@ -162,11 +166,8 @@ class Policy:
         """A separate, unsharded copy of the policy in eval mode, for an in-process engine."""
         if not self.sharded:
             return copy.deepcopy(self.language_model()).eval()
-        lm = self.language_model()
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(lm.config, dtype=torch.float32)
-        plain.load_state_dict({k: v.detach().clone() for k, v in self.state_dict().items()}, assign=True)
-        plain.tie_weights()
+        plain = AutoModelForCausalLM.from_config(self.language_model().config, dtype=torch.float32)
+        plain.load_state_dict(self.state_dict())
         return plain.eval()
 
     # ----- logprobs and the loss --------------------------------------------------------------
@@ -286,21 +287,9 @@ class Policy:
         return metrics
 
     def gradient_sync(self, last: bool) -> Any:
-        """Gradients are reduced across processes on a step's last micro-batch only."""
-        if last:
-            return contextlib.nullcontext()
-        if is_fsdp(self.accelerator):  # FSDP2 modules have no no_sync(); they take a flag
-            return _fsdp_no_sync(self.model)
-        return self.accelerator.no_sync(self.model)
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: Any) -> Any:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+        """Gradients are reduced across processes on a step's last micro-batch only (DDP's
+        ``no_sync``, FSDP2's ``set_requires_gradient_sync`` through Accelerate)."""
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
 
 
 
