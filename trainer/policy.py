@@ -260,8 +260,11 @@ class Policy:
             for i, batch in enumerate(batches or [None]):
                 last = i == max(len(batches), 1) - 1
                 with self.gradient_sync(last):
-                    if batch is None:  # nothing to train on here: join the gradient sync with zeros
-                        accelerator.backward(sum(p.sum() * 0.0 for p in self.model.parameters()))
+                    if batch is None:  # nothing to train on here: join the gradient sync with zeros, through
+                        # a forward of one token (FSDP reduces gradients in hooks the forward sets up)
+                        idle = Sample([self.pad_id, self.pad_id], [0, 1], [0.0, 0.0])
+                        idle_batch = collate([idle], self.pad_id).to(accelerator.device)
+                        accelerator.backward(self.micro_batch_loss(idle_batch, None, normaliser)["scaled_loss"] * 0.0)
                         continue
                     out = self.micro_batch_loss(batch, None if old is None else old[i], normaliser)
                     accelerator.backward(out.pop("scaled_loss"))
