@@ -16,6 +16,7 @@ from rollout.parsers import parse_hermes
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.tokens import load_tokenizer
 from tools.calculator import evaluate, format_number
+from trainer.policy import enable_checkpointing
 from trainer.sft import (
     RECIPES,
     Batch,
@@ -209,6 +210,23 @@ def test_shared_prefix_forward_gives_the_full_forward_loss_and_gradients(chat, m
     assert shared_loss == pytest.approx(full_loss, rel=1e-5)
     for a, b in zip(shared_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(chat, model):
+    examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(3, seed=2)]
+    batch = collate(examples, chat.tokenizer.pad_token_id)
+    batch = Batch(batch.input_ids, batch.loss_mask, 0)  # (checkpointed layers cannot share a cached prefix)
+    results = []
+    for checkpointed in (copy.deepcopy(model), model):
+        if checkpointed is not model:
+            enable_checkpointing(checkpointed)
+        loss = sft_loss(checkpointed, batch, chunk_tokens=7)
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in checkpointed.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_padding_on_the_right_does_not_change_a_row_s_loss(chat, model):
