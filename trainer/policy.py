@@ -76,7 +76,7 @@ class PolicyModel(torch.nn.Module):
         without them (``[R, N - shared_prefix]``)."""
         if chunk_tokens == 0:  # the computation before chunking: every position's logits at once
             logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).logits  # fmt: skip
+                             use_cache=False).logits[:, shared_prefix:]  # fmt: skip
             return full_logits_logprobs(logits.flatten(0, 1), positions, targets, temperature, with_entropy)
         decoder = getattr(self, self.lm.base_model_prefix)
         if shared_prefix:
