@@ -181,3 +181,13 @@ async def serving(engine: Any, model_dir: Path = EMBEDDED_MODEL, port: int = 0) 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on matrices as small as the tests' two only add synchronisation (ten
+    times the time on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,21 +15,7 @@ from trainer.losses import entropy_from_logits, token_logprobs
 TEMPERATURE = 0.7
 """The rollout temperature of every test here: logits are divided by it, in both computations."""
 
-METRICS = ("loss", "pg_loss", "kl", "entropy", "approx_kl", "grad_norm")
-"""Real-valued metrics of ``Policy.update``, compared to 1e-5 relative."""
-
-COUNTS = ("clip_fraction", "tokens", "sequences", "skipped_update")
-"""Metrics that count tokens: equal (up to float summation)."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on matrices this small two only add synchronisation (ten times the time
-    on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----- chunked_logprobs, the function ------------------------------------------------------------

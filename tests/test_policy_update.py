@@ -30,14 +30,7 @@ COUNTS = ("clip_fraction", "tokens", "sequences", "skipped_update")
 """Metrics that count tokens: equal (up to float summation)."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on matrices this small two only add synchronisation (ten times the time
-    on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----- the computation before chunking, as a test double of PolicyModel ------------------------

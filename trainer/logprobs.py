@@ -153,18 +153,12 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: T
 def unchunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
                        temperature: float = 1.0, with_entropy: bool = False,
                        ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """The computation before chunking, kept as the reference of tests and benchmarks: the whole
-    ``[M, V]`` logits through ``F.linear`` (autocast applies), a float32 copy, ``log_softmax`` and
-    the entropy from its own softmax, every intermediate kept for autograd."""
+    """The computation before chunking, kept as the reference of tests: the whole ``[M, V]`` logits
+    through ``F.linear`` (autocast applies), then ``full_logits_logprobs`` on every row, every
+    intermediate kept for autograd."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.float() / temperature
-    logp = logits.log_softmax(-1)
-    logprobs = logp.gather(-1, targets.long()[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = _entropy_of_log_probs(logits.log_softmax(-1))
-    return logprobs, entropy
+    every_row = torch.arange(logits.shape[0], device=logits.device)
+    return full_logits_logprobs(logits, every_row, targets, temperature, with_entropy)
 
 
 def full_logits_logprobs(logits: Tensor, positions: Tensor, targets: Tensor, temperature: float = 1.0,
