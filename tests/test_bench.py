@@ -108,6 +108,7 @@ async def test_the_bare_client_writes_exactly_what_the_chat_template_renders():
         assert chat.render(messages) == text + chat.decode(chat.turn_close_ids)
 
 
+@pytest.mark.slow
 def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
     fast_tool = LogNormal(0.02, 1.0)
     tiny = [
@@ -163,6 +164,7 @@ def test_rounds_alternate_the_two_clients_and_report_each_ones_median_round(monk
     assert rallyrl["cpu_per_turn_vs_bare"] == 2.0 / 3.0
 
 
+@pytest.mark.slow
 def test_bench_rejects_an_unknown_workload():
     made = run_cli("bench", "--workload", "W9")
     assert made.returncode == 2

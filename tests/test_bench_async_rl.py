@@ -169,6 +169,7 @@ def test_a_directory_that_is_not_a_run_of_the_benchmark_is_never_overwritten(tmp
     assert (tmp_path / "b-async" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_tiny_run_of_both_modes_gives_a_well_formed_report(tmp_path):
     json_path, plot_path = tmp_path / "report.json", tmp_path / "curves.png"
     command = [sys.executable, "-m", "benchmarks.async_rl", "--steps", "2", "--workloads", "b", "--checkpoint-every",

@@ -151,6 +151,7 @@ def test_a_judge_reward_from_the_training_yaml_scores_every_trajectory(tmp_path,
     assert all(r.rewards.judge == pytest.approx(0.8) and r.rewards.final == pytest.approx(0.8) for r in requests)
 
 
+@pytest.mark.slow
 def test_rallyrl_train_with_a_judge_served_by_rallyrl_serve(tmp_path):
     """End to end through the CLI: the judge is the embedded model behind ``rallyrl serve``. It is a
     calculator, not a grader, so its replies do not parse: every judgment is recorded as failed, the

@@ -124,6 +124,7 @@ def test_show_with_a_config_file_resolves_it(tmp_path):
     assert done.returncode == 0 and "  top_k: 7\n" in done.stdout and "#" not in done.stdout
 
 
+@pytest.mark.slow
 def test_commands_report_a_bad_config_file_with_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("rollout: {tool_timout_s: 5}\n")

@@ -325,6 +325,7 @@ def test_cli_data_math_reports_skipped_rows_and_strict_fails(tmp_path: Path) -> 
     assert strict.returncode == 2 and "field solution" in strict.stderr
 
 
+@pytest.mark.slow
 def test_cli_eval_runs_on_prepared_gsm8k(tmp_path: Path, tiny_model_dir: Path) -> None:
     make_gsm8k_like(3, seed=0, path=tmp_path / "test.jsonl")
     assert run_cli("data", "gsm8k", "-i", str(tmp_path / "test.jsonl"), "-o", str(tmp_path / "d.jsonl")).returncode == 0
@@ -335,6 +336,7 @@ def test_cli_eval_runs_on_prepared_gsm8k(tmp_path: Path, tiny_model_dir: Path) -
     assert json.loads((tmp_path / "e.json").read_text())["prompts"] == 3
 
 
+@pytest.mark.slow
 def test_cli_rollout_runs_on_verl_gsm8k_parquet(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = _parquet(tmp_path / "test.parquet", [_verl_gsm8k_row(0, "1+1?", "2"), _verl_gsm8k_row(1, "2*3?", "6")])
     out = tmp_path / "r.jsonl"
@@ -346,6 +348,7 @@ def test_cli_rollout_runs_on_verl_gsm8k_parquet(tmp_path: Path, tiny_model_dir: 
     assert {t["data_source"] for t in trajectories} == {"openai/gsm8k"}
 
 
+@pytest.mark.slow
 def test_verl_gsm8k_parquet_rolls_out_with_the_shipped_verl_tool_config(tmp_path: Path) -> None:
     """verl names the answer tool calc_gsm8k_reward; data/assets/tools/verl_gsm8k.yaml maps it to answer_check."""
     rows = [_verl_gsm8k_row(i, f"What is {i} + {i}?", str(2 * i)) for i in range(3)]

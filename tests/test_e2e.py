@@ -41,6 +41,7 @@ async def test_tiny_model_rollout_keeps_tokens_masks_and_logprobs_exact(tiny_mod
                 assert logprob == pytest.approx(logprobs[start + i - 1, token].item(), abs=1e-3)
 
 
+@pytest.mark.slow
 def test_cli_rollout_writes_valid_trajectories(tmp_path):
     model_dir, out = tmp_path / "model", tmp_path / "out.jsonl"
     made = run_cli("new-model", str(model_dir), "--hidden-size", "32", "--layers", "1")

@@ -111,6 +111,7 @@ def test_write_markdown_report_replaces_the_file_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
 
 
+@pytest.mark.slow
 def test_eval_command_writes_a_markdown_report_and_prints_the_breakdown(tmp_path, tiny_model_dir):
     data = tmp_path / "two.jsonl"
     save_records(_records(["alpha", "beta", "beta"]), data)

@@ -44,6 +44,7 @@ async def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tokenizer):
     assert report["pass_at_k"] == {"1": pytest.approx(0.125), "2": pytest.approx(0.25), "4": pytest.approx(0.5)}
 
 
+@pytest.mark.slow
 def test_eval_command_writes_accuracy_and_pass_at_k_json(tmp_path, tiny_model_dir):
     report = tmp_path / "eval.json"
     done = run_cli(
@@ -56,6 +57,7 @@ def test_eval_command_writes_accuracy_and_pass_at_k_json(tmp_path, tiny_model_di
     assert set(data["pass_at_k"]) == {"1", "2"}
 
 
+@pytest.mark.slow
 def test_train_command_runs_and_resumes(tmp_path, tiny_model_dir):
     common = ["train", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
               "--prompts-per-step", "2", "-n", "2"]  # fmt: skip
@@ -69,6 +71,7 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_model_dir):
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_train_command_rejects_a_bad_config_file(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("stepz: 3\n")
@@ -77,6 +80,7 @@ def test_train_command_rejects_a_bad_config_file(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_sft_command_trains_and_checkpoints(tmp_path, tiny_model_dir):
     out = tmp_path / "sft"
     done = run_cli(

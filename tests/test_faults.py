@@ -224,6 +224,7 @@ def assert_faults_injected(stats: dict[str, Any]) -> None:
     assert stats["drops"] > 0, stats  # fewer than drawn: a drawn drop whose client timed out first is not cut
 
 
+@pytest.mark.slow
 async def test_a_1024_request_rollout_through_a_faulty_server_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "out.jsonl"
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1, *FAULTS, "--fault-seed", "1") as (server,):
@@ -238,6 +239,7 @@ async def test_a_1024_request_rollout_through_a_faulty_server_loses_and_duplicat
     assert len(errors) <= 50, errors[:3]
 
 
+@pytest.mark.slow
 async def test_killing_one_of_two_faulty_servers_mid_rollout_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "out.jsonl"
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2, *FAULTS, "--fault-seed", "2") as servers:

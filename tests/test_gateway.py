@@ -75,6 +75,7 @@ def rollout_config() -> RolloutConfig:
     return RolloutConfig(max_turns=3, max_new_tokens=256, max_model_len=1024, seed=11)
 
 
+@pytest.mark.slow
 async def test_a_session_is_token_for_token_the_native_trajectory_with_the_embedded_model(tokenizer, rollout_config):
     records = make_task("calc", 16, 5)
     tools = {"calculator": CalculatorTool()}

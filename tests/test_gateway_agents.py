@@ -69,6 +69,7 @@ def calculator_text(expression: str) -> str:
 # ----- the plain openai.AsyncOpenAI agent --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plain_agent_sessions_are_valid_token_exact_trajectories(plain):
     assert len(plain) == 16
     assert sorted((r["prompt_index"], r["sample_index"]) for r in plain) == [(p, s) for p in range(8) for s in range(2)]
@@ -108,6 +109,7 @@ def test_plain_agent_loss_mask_is_one_exactly_on_the_assistant_tokens(plain, emb
 # ----- the history-rewriting agent -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rewriting_agent_sessions_split_into_checked_samples(rewriting):
     _, records = rewriting
     assert len(records) == 16
@@ -158,6 +160,7 @@ def test_every_sample_of_a_split_session_is_trained_with_its_one_advantage(rewri
 # ----- the OpenAI Agents SDK agent ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_openai_agents_sdk_agent_sessions_are_recorded_through_rollout(tmp_path):
     records = rollout_with("data.agents.calc_openai_agents:run", tmp_path / "sdk.jsonl")
     assert len(records) == 16
@@ -227,6 +230,7 @@ def start_gateway(out: Path) -> tuple[subprocess.Popen[str], str, queue.Queue[st
     return process, found.group(1), lines
 
 
+@pytest.mark.slow
 def test_standalone_gateway_records_a_posted_reward_and_aborts_open_sessions_at_exit(tmp_path):
     out = tmp_path / "sessions.jsonl"
     process, url, lines = start_gateway(out)
@@ -264,6 +268,7 @@ def test_standalone_gateway_records_a_posted_reward_and_aborts_open_sessions_at_
 # ----- training and bad entry points ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_with_the_agent_config_completes_a_step(tmp_path):
     out = tmp_path / "run"
     result = run_cli("train", "--config", "data/configs/grpo_calc_agent.yaml", "--steps", "1", "--set",
@@ -288,6 +293,7 @@ def test_train_with_the_agent_config_completes_a_step(tmp_path):
          "leave tools and interactions unset"),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_a_bad_agent_entry_point_fails_with_one_clear_line(tmp_path, args, error):
     result = run_cli(*args, "--out", str(tmp_path / "out"), timeout=300)
     output = result.stdout + result.stderr

@@ -34,6 +34,7 @@ def launch(processes: int, model_dir: Path, out: Path, mode: str = "sync") -> di
     return torch.load(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_process_update_equals_one_process_update(tmp_path, mode):
     # peaked logits, so that greedy rollouts do not hinge on float noise between batch shapes

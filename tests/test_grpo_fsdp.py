@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from data.tiny_model import TinyModelConfig, save_tiny_model
 
+pytestmark = pytest.mark.slow  # two accelerate-launched processes, about 75 s
+
 SCRIPT = Path(__file__).with_name("fsdp_grpo_run.py")
 FSDP = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2", "--fsdp_auto_wrap_policy",
         "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Qwen2DecoderLayer"]  # fmt: skip

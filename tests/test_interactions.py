@@ -362,6 +362,7 @@ def test_a_bad_interaction_config_names_the_file_entry_and_field(tmp_path, text,
 # ----- the CLI --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rollout_and_show_on_the_calc_retry_task(tmp_path):
     out = tmp_path / "retry.jsonl"
     done = run_cli("rollout", "--task", "calc-retry", "--interactions", "data/configs/interactions_checker.yaml",
@@ -380,6 +381,7 @@ def test_rollout_and_show_on_the_calc_retry_task(tmp_path):
     assert "user turn (interaction), answering turn" in shown.stdout and "user turns" in shown.stdout
 
 
+@pytest.mark.slow
 def test_records_with_interaction_kwargs_and_no_interaction_config_stay_single_agent(tmp_path):
     out = tmp_path / "plain.jsonl"
     done = run_cli("rollout", "--task", "calc-retry", "--num-prompts", "4", "--out", str(out), "--no-progress")
@@ -388,6 +390,7 @@ def test_records_with_interaction_kwargs_and_no_interaction_config_stay_single_a
     assert all(r["interaction_turns"] == [] for r in records)
 
 
+@pytest.mark.slow
 def test_training_on_calc_retry_takes_fewer_attempts_and_ends_right_more_often(tmp_path):
     """Two GRPO steps of the shipped calc-retry config, 4 samples per prompt (the embedded model,
     the answer checker):
@@ -418,6 +421,7 @@ VERL_INTERACTION_CONFIG = """interaction:
 """
 
 
+@pytest.mark.slow
 def test_a_verl_record_and_interaction_config_run_in_rollout_and_train_unchanged(tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("\n".join(json.dumps({**VERL_RECORD, "extra_info": {**VERL_RECORD["extra_info"], "index": i}})

@@ -54,6 +54,7 @@ def start_train(tmp_path: Path, **settings) -> tuple[subprocess.Popen[str], Path
     return process, config, run
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_finished_trajectories_and_resume_runs_the_rest(tmp_path):
     out = tmp_path / "rollouts.jsonl"
     # 8 in flight: trajectories finish a few at a time, so the interrupt surely lands mid-run
@@ -110,6 +111,7 @@ def test_a_second_rollout_to_the_same_file_is_refused(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_sigkill_during_train_then_resume_continues_from_the_last_checkpoint(tmp_path):
     process, config, run = start_train(tmp_path, steps=5)
     checkpoints = run / "checkpoints"
@@ -129,6 +131,7 @@ def test_sigkill_during_train_then_resume_continues_from_the_last_checkpoint(tmp
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000004", "step-000005"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(tmp_path):
     process, config, run = start_train(tmp_path, steps=5, async_rl=True, max_staleness=1)
     checkpoints = run / "checkpoints"
@@ -151,6 +154,7 @@ def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(t
     assert metrics[-1]["time/elapsed_s"] > metrics[killed_at - 1]["time/elapsed_s"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_async_train_stops_at_once_and_keeps_the_checkpoints(tmp_path):
     process, _, run = start_train(tmp_path, steps=50, async_rl=True)
     wait_for(lambda: (run / "checkpoints" / "step-000001").exists(), 240, "the first checkpoint")

@@ -409,6 +409,7 @@ async def test_a_subclass_of_mcp_tool_is_used_by_its_import_path():
 # ----- the command line ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_rollout_calls_the_mcp_servers_calculator_and_leaves_no_server_behind(tmp_path):
     marker = f"mcp-e2e-{os.getpid()}-{time.monotonic_ns()}"
     servers = {"mcpServers": {"calc": {**stdio_spec(), "env": {"RALLYRL_TEST_MARKER": marker}}}}

@@ -63,6 +63,7 @@ def assert_all_accounted(result, out: Path, expected: int) -> None:
             assert line["error"], line["request_id"]
 
 
+@pytest.mark.slow
 async def test_rollout_through_one_server(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
         async with SGLangHTTPEngine(server.url) as engine:
@@ -74,6 +75,7 @@ async def test_rollout_through_one_server(tmp_path):
     assert all(r.weight_versions and set(v for v in r.weight_versions if v is not None) == {0} for r in result.requests)
 
 
+@pytest.mark.slow
 async def test_pool_routes_to_both_servers_and_keeps_a_request_on_one(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
         async with EnginePool([s.url for s in servers]) as pool:
@@ -96,6 +98,7 @@ async def test_pool_routes_to_both_servers_and_keeps_a_request_on_one(tmp_path):
     assert all(len(served[r.request_id]) == 1 for r in multi_turn)  # later turns stick to the first server
 
 
+@pytest.mark.slow
 async def test_killing_one_of_two_servers_mid_rollout_loses_no_request(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
         config = PoolConfig(health_interval_s=0.2, client=SGLangHTTPConfig(max_retries=1, backoff_s=0.05))
@@ -132,6 +135,7 @@ def save_perturbed_model(source: Path, target: Path, scale: float = 1.5) -> Path
     return target
 
 
+@pytest.mark.slow
 async def test_weight_update_mid_rollout_gives_trajectories_both_versions(tmp_path, tiny_model_dir):
     new_weights = save_perturbed_model(tiny_model_dir, tmp_path / "v1")
     config = RolloutConfig(max_turns=1, max_new_tokens=160, max_model_len=2048, check_consistency=False)
@@ -166,6 +170,7 @@ def assert_resumed_across_the_update(result) -> None:
         assert len(request.response_ids) == len(request.logprobs) == len(request.weight_versions)
 
 
+@pytest.mark.slow
 def test_three_grpo_steps_against_two_servers_update_both(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
         out = tmp_path / "run"
@@ -183,6 +188,7 @@ def test_three_grpo_steps_against_two_servers_update_both(tmp_path):
     assert (out / "final" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_async_grpo_against_two_servers_keeps_requests_going_through_the_syncs(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
         out = tmp_path / "run"
@@ -226,6 +232,7 @@ def router(worker_urls: list[str], log: Path):
         process.wait(timeout=15)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="pip install sglang-router")
 async def test_rollout_through_sglang_router_in_front_of_two_servers(tmp_path):
     with (
@@ -241,6 +248,7 @@ async def test_rollout_through_sglang_router_in_front_of_two_servers(tmp_path):
     assert all(count > 0 for count in served), served  # the router spread the requests over both
 
 
+@pytest.mark.slow
 def test_cli_rollout_with_engine_url_writes_valid_trajectories(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
         out = tmp_path / "rollouts.jsonl"
@@ -253,6 +261,7 @@ def test_cli_rollout_with_engine_url_writes_valid_trajectories(tmp_path):
     assert run_cli("check", str(out)).returncode == 0
 
 
+@pytest.mark.slow
 def test_serve_on_a_taken_port_fails_with_a_clear_error(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
         port = server.url.rsplit(":", 1)[1]
@@ -261,6 +270,7 @@ def test_serve_on_a_taken_port_fails_with_a_clear_error(tmp_path):
     assert f"cannot serve on 127.0.0.1:{port}" in again.stderr
 
 
+@pytest.mark.slow
 def test_rollout_against_an_unreachable_server_is_a_clear_error_before_any_request(tmp_path):
     """Asking what kind of server it is (SGLang or vLLM) fails first, naming the URL."""
     out = tmp_path / "rollouts.jsonl"
@@ -270,6 +280,7 @@ def test_rollout_against_an_unreachable_server_is_a_clear_error_before_any_reque
     assert url in made.stderr and "is the server up?" in made.stderr
 
 
+@pytest.mark.slow
 def test_rollout_against_an_unreachable_sglang_server_ends_every_request_with_an_error(tmp_path):
     """Named, the server is not asked: every request is tried, and each ends with the error."""
     out = tmp_path / "rollouts.jsonl"

@@ -283,6 +283,7 @@ def interaction_yaml(tmp_path, config: str) -> Any:
     return load_interactions(path)
 
 
+@pytest.mark.slow
 async def test_a_simulated_user_from_a_yaml_talks_to_a_real_rallyrl_serve(server_url, tmp_path):
     interactions = interaction_yaml(
         tmp_path, f"{{url: '{server_url}/v1', max_concurrency: 2, max_tokens: 8, temperature: 1.0, "
@@ -299,6 +300,7 @@ async def test_a_simulated_user_from_a_yaml_talks_to_a_real_rallyrl_serve(server
         assert metadata["latency_s"] > 0 and metadata["attempts"] >= 1
 
 
+@pytest.mark.slow
 def test_rallyrl_rollout_plays_the_user_turns_with_a_simulator_behind_rallyrl_serve(server_url, tmp_path):
     """Three processes: this test, ``rallyrl rollout`` (the embedded policy) and ``rallyrl serve`` (the user)."""
     records = []

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "trainer_memory.py"
 VOCABULARY = 151_936
 
 
+@pytest.mark.slow
 def test_an_update_on_a_real_vocabulary_holds_less_than_one_copy_of_its_logits():
     tokens = 3072  # half of them trained: 1,536 positions through the LM head
     one_copy_gib = tokens * VOCABULARY * 4 / 2**30  # 1.74 GiB: the unchunked path held several

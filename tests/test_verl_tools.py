@@ -322,6 +322,7 @@ def lifecycle(project: Path) -> dict[str, list[str]]:
     return events
 
 
+@pytest.mark.slow
 def test_rallyrl_rollout_runs_a_verl_tool_class_from_verls_yaml(verl_project):
     done = rallyrl("rollout", "--tools", "tool_config.yaml", "--num-prompts", "8", "--out", "out.jsonl",
                    "--no-progress", cwd=verl_project)  # fmt: skip
@@ -341,6 +342,7 @@ def test_rallyrl_rollout_runs_a_verl_tool_class_from_verls_yaml(verl_project):
     assert len(events["execute"]) == len(calls)
 
 
+@pytest.mark.slow
 def test_rallyrl_train_runs_with_a_verl_tool_class(verl_project):
     done = rallyrl("train", "--set", "tools=tool_config.yaml", "--out", "run", "--steps", "1",
                    "--prompts-per-step", "2", "-n", "2", "--no-progress", cwd=verl_project)  # fmt: skip
@@ -351,6 +353,7 @@ def test_rallyrl_train_runs_with_a_verl_tool_class(verl_project):
     assert len(events["create"]) >= 4 and sorted(events["release"]) == sorted(events["create"])
 
 
+@pytest.mark.slow
 def test_rallyrl_rollout_runs_a_plain_function_tool(tmp_path):
     """With the schema the embedded model was trained on (a derived one adds text it never saw)."""
     shutil.copy(user.__file__, tmp_path / "my_verl_tools.py")
