@@ -15,7 +15,7 @@ A split gateway session (``segments``) shows each segment first, as "sample 1 of
 <split_reason>" with its conversation and token view, then the request's own (last) sample; the
 header counts the tokens of every sample, and turns are numbered over the whole session.
 
-Message text is printed as text, never as rich markup.
+Message text is printed as text, never as rich markup, and with control characters escaped.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from data.text import terminal_safe, terminal_safe_value
 from rollout.export import count_parquet_trajectories, is_parquet, read_parquet_trajectory
 from rollout.request import validate_trajectory
 
@@ -95,8 +96,9 @@ def _check_index(path: Path, index: int, count: int) -> None:
 
 
 def render(located: Located, path: str | Path, tokenizer: Any = None) -> Group:
-    """Header, conversation and token view of one trajectory, as rich renderables."""
-    record = located.record
+    """Header, conversation and token view of one trajectory, as rich renderables (every string of it
+    ``terminal_safe``: the file keeps a program's NUL or escape bytes, the terminal sees them escaped)."""
+    record = terminal_safe_value(located.record)
     title = Text(f"trajectory {located.index} of {located.count} in {path} ({located.where})", style="bold")
     if located.count > 1:
         title.append(f"; --index 0..{located.count - 1} shows the others", style="dim")
@@ -340,7 +342,7 @@ def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
 
 def _decode(tokenizer: Any, ids: list[int]) -> str | None:
     try:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return terminal_safe(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
     except Exception:  # a tokenizer that does not know these ids: fall back to the ids
         return None
 

@@ -191,6 +191,17 @@ def test_show_decodes_the_spans_with_a_tokenizer_and_reads_the_parquet_export(ha
     assert f"span 2, context, {context} tokens: <tool_response>hi</tool_response>" in done.stdout
 
 
+def test_show_escapes_control_bytes_that_the_file_keeps(tmp_path, tokenizer):
+    record = _hand_made(tokenizer)
+    record["messages"][3]["content"] = "a\x00b\x1b[2J\x1b]0;title\x07c\u202ed"  # a program's raw output
+    path = _write_jsonl(tmp_path / "raw.jsonl", [record])
+    done = run_cli("show", str(path))
+    assert done.returncode == 0, done.stderr
+    assert not any(char in done.stdout for char in "\x00\x1b\x07\u202e")
+    assert "a\\x00b\\x1b[2J\\x1b]0;title\\x07c\\u202ed" in done.stdout
+    assert _lines(path)[0]["messages"][3]["content"].startswith("a\x00b\x1b")  # the trajectory keeps them
+
+
 def test_show_a_rollout_of_the_embedded_model(rollout_jsonl):
     done = run_cli("show", str(rollout_jsonl), "--index", "1")
     assert done.returncode == 0, done.stderr

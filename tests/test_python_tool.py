@@ -209,8 +209,8 @@ async def test_the_sandbox_in_use_is_reported():
     assert response.metrics["network"] in {"netns", "landlock-tcp+socket-patch", "socket-patch"}
     bare, _ = await run(make_tool("bare"), "pass")
     assert bare.metrics["sandbox"] == [
-        *("subreaper", "rlimits", "memory-per-process (disabled)", "watchdog", "no-seccomp (disabled)"),
-        "unix-ipc-open",
+        *("subreaper", "rlimits", "memory-per-process (disabled)", "oom-score-adj", "session-keyring", "watchdog"),
+        *("no-seccomp (disabled)", "unix-ipc-open", "keys-open", "userns-open", "socket-families-open"),
     ]
     assert bare.metrics["network"] == "socket-patch" and bare.metrics["ipc"] == "open"
 

@@ -43,14 +43,21 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
 - ``netns``: no network at all, and no abstract Unix socket of the host (``ipcns`` with it: System V
   IPC and POSIX message queues of its own). Otherwise sockets other than AF_UNIX are refused by the
   program's bootstrap (``socket-patch``: a speed bump only, ctypes or a subprocess get around it).
-- ``seccomp:no-unix-sockets`` (x86_64 and aarch64): ``socket(AF_UNIX)`` and io_uring are refused
-  (EPERM), ``socketpair`` only for stream and seqpacket pairs: no IPC out of the sandbox whatever
-  the filesystem shows. ``metrics["ipc"]`` says what holds (``seccomp+private-dirs``, ``seccomp``,
-  ``private-dirs``, ``open``); without seccomp ``unix-ipc-open`` (or ``unix-ipc-partly-open`` when
-  only the private directories and the namespace stand) is in the list and logged as a warning.
+- ``seccomp:*`` (x86_64 and aarch64, ``tools/sandbox_seccomp.py``): ``no-unix-sockets``:
+  ``socket(AF_UNIX)`` and io_uring are refused (EPERM), ``socketpair`` only for stream and seqpacket
+  pairs: no IPC out of the sandbox whatever the filesystem shows; ``socket-allowlist``: TCP, UDP and
+  NETLINK_ROUTE with a network namespace, no socket without one (no VSOCK, MPTCP, SCTP ...);
+  ``no-keys``: no kernel keys; ``no-userns``: no user namespace made from inside. ``metrics["ipc"]``
+  says what holds (``seccomp+private-dirs``, ``seccomp``, ``private-dirs``, ``open``); without
+  seccomp ``unix-ipc-open`` (or ``unix-ipc-partly-open`` when only the private directories and the
+  namespace stand) is in the list and logged as a warning, with ``keys-open``, ``userns-open`` and
+  ``socket-families-open``.
+- ``session-keyring`` (always tried): init joins a fresh anonymous session keyring, so the program
+  does not inherit the trainer's. ``oom-score-adj`` (always tried): init sets 1000 before /proc is
+  remounted read-only and reads it back; every process of the program inherits it.
 - ``nproc`` when RLIMIT_NPROC binds (own uid, or a user namespace), else the cgroup's pids.max,
   else ``watchdog``: the supervisor counts descendants every 10 ms and kills the tree past
-  ``max_processes``. The program's oom_score_adj is 1000: on any OOM it is killed before the trainer.
+  ``max_processes``.
 - ``rlimits`` (always): CPU seconds, address space, file size, open files, no core dumps.
 """
 
@@ -221,11 +228,13 @@ class PythonTool(BaseTool):
         if run.report.get("mechanisms") and run.report["mechanisms"] != self.sandbox:
             self.sandbox = list(run.report["mechanisms"])
             logger.info("python tool sandbox: %s; network: %s", self.sandbox, run.report.get("network"))
-            gaps = [item for item in self.sandbox if item.startswith(("unix-ipc-", "memory-per-process"))]
+            gap_prefixes = ("unix-ipc-", "memory-per-process", "keys-open", "userns-open", "socket-families-open")
+            gaps = [item for item in self.sandbox if item.startswith((*gap_prefixes, "no-oom-score-adj"))]
             if gaps:
                 logger.warning(
                     "python tool: sandbox gaps here: %s (unix-ipc: a program can connect to Unix sockets of this "
-                    "machine; memory-per-process: memory_mb bounds each process, not the call)",
+                    "machine; memory-per-process: memory_mb bounds each process, not the call; keys, user "
+                    "namespaces, socket families: see the README's sandbox table)",
                     gaps,
                 )
             if not any(item.startswith(("setuid", "landlock", "read-only-fs")) for item in self.sandbox):

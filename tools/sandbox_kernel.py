@@ -29,6 +29,8 @@ MOUNT_OPTION_FLAGS = {
     "relatime": MS_RELATIME,
     "strictatime": MS_STRICTATIME,
 }
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
 LANDLOCK_WRITE_FILE, LANDLOCK_READ_FILE, LANDLOCK_READ_DIR = 1 << 1, 1 << 2, 1 << 3
 LANDLOCK_REFER, LANDLOCK_TRUNCATE = 1 << 13, 1 << 14
@@ -55,6 +57,31 @@ def unshare(flags: int) -> None:
 
 def prctl(option: int, value: int) -> None:
     _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), 0, 0, 0), "prctl")
+
+
+def set_oom_score_adj(value: int) -> str:
+    """Set this process's oom_score_adj (inherited by what it starts) and check it by reading it
+    back. Returns the ``sandbox`` entry: ``oom-score-adj``, or why not."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))  # as root this also becomes the lowest value it may set
+        with open("/proc/self/oom_score_adj") as f:
+            found = int(f.read())
+    except (OSError, ValueError) as exc:
+        return f"no-oom-score-adj ({exc})"
+    return "oom-score-adj" if found == value else f"no-oom-score-adj (reads {found})"
+
+
+def fresh_session_keyring() -> str:
+    """Join a new anonymous session keyring (inherited by what this process starts), leaving the one
+    inherited from the trainer. Returns the ``sandbox`` entry: ``session-keyring``, or why not."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        return "no-session-keyring (unknown architecture)"
+    result = _LIBC.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
+    if result < 0:
+        return f"no-session-keyring ({os.strerror(ctypes.get_errno())})"
+    return "session-keyring"
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import inspect
 import json
@@ -34,12 +35,23 @@ logger = logging.getLogger(__name__)
 
 SUPERVISOR_GRACE_S = 20.0
 """Beyond timeout_s, how long the tool waits for the supervisor before killing it (a backstop)."""
-SUPERVISOR_LAUNCH = "import sys; sys.path.append(sys.argv.pop(1)); from tools.sandbox_supervisor import main; main()"
-"""The supervisor's command, run as ``python -I -S -B -c LAUNCH PACKAGE_ROOT CONFIG``: isolated mode
-leaves every directory of ours off ``sys.path``, so the launch appends the one holding ``tools``
-(after the standard library, which it cannot shadow); the supervisor imports nothing else of ours."""
+SUPERVISOR_LAUNCH = (
+    "import os, sys; sys.path.append(os.fsdecode(sys.stdin.buffer.readline()[:-1])); "
+    "from tools.sandbox_supervisor import main; main()"
+)
+"""The supervisor's command, ``python -I -S -B -c LAUNCH``, with ``PACKAGE_ROOT``, a newline and the
+JSON config on its stdin: nothing of the configuration (no host path) shows in its command line,
+which is the sandbox's ``/proc/1/cmdline``. Isolated mode leaves every directory of ours off
+``sys.path``, so the launch appends the one holding ``tools`` (after the standard library, which it
+cannot shadow); the supervisor imports nothing else of ours."""
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(supervisor.__file__)))
 """The directory holding the ``tools`` package."""
+READ_CHUNK = 1 << 20
+"""Most bytes read from a program's stdout or stderr at once (and the pipes' size, where allowed)."""
+UNPACED_READS, READ_INTERVAL_S = 16, 0.02
+"""After its first UNPACED_READS reads, a stream is read at most once per READ_INTERVAL_S: the
+program's output waits in the pipe meanwhile, so however it writes (a byte at a time, say), the
+trainer's event loop wakes at most 1 / READ_INTERVAL_S times a second per stream."""
 
 
 @functools.cache
@@ -137,6 +149,7 @@ async def run_program(
     proc: asyncio.subprocess.Process | None = None
     pumps: list[asyncio.Task[None]] = []
     report_read, report_write = os.pipe()  # the supervisor's JSON report comes back on this pipe
+    (out_read, out_write), (err_read, err_write) = _output_pipe(), _output_pipe()
     group: cgroups.CallCgroup | None = None
     try:
         if "cgroup" not in limits["disable"]:
@@ -144,34 +157,52 @@ async def run_program(
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         config = json.dumps(_supervisor_config(limits, run, workdir, report_write, group))
-        proc = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-I", "-S", "-B", "-c", SUPERVISOR_LAUNCH, PACKAGE_ROOT, config),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+        proc = await asyncio.create_subprocess_exec(  # argv[0] found on PATH: no host path in the command line
+            *(os.path.basename(sys.executable), "-I", "-S", "-B", "-c", SUPERVISOR_LAUNCH),
+            executable=sys.executable,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=out_write,
+            stderr=err_write,
             pass_fds=(report_write,),
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", supervisor.RUN_ENV: run.run_id},
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "LANG": "C.UTF-8", supervisor.RUN_ENV: run.run_id},
             start_new_session=True,
         )
-        os.close(report_write)
-        report_write = -1
+        for fd in (report_write, out_write, err_write):
+            os.close(fd)
+        report_write = out_write = err_write = -1
         pumps = [
-            asyncio.create_task(_pump(proc, proc.stdout, run.stdout, run, output_kill_bytes)),
-            asyncio.create_task(_pump(proc, proc.stderr, run.stderr, run, output_kill_bytes)),
+            asyncio.create_task(_pump(proc, out_read, run.stdout, run, output_kill_bytes)),
+            asyncio.create_task(_pump(proc, err_read, run.stderr, run, output_kill_bytes)),
         ]
+        assert proc.stdin is not None
+        proc.stdin.write(os.fsencode(PACKAGE_ROOT) + b"\n" + config.encode())
+        with contextlib.suppress(ConnectionError):  # it died at once: the report says why
+            await proc.stdin.drain()
+        proc.stdin.close()
         try:
             async with asyncio.timeout(limits["timeout_s"] + SUPERVISOR_GRACE_S):
                 await proc.wait()
         except TimeoutError:
             run.backstop = True
     finally:
-        if report_write >= 0:
-            os.close(report_write)
+        for fd in (report_write, out_write, err_write):
+            if fd >= 0:
+                os.close(fd)
         if proc is not None and proc.returncode is None:
             await _stop(proc)  # cancelled, or the backstop fired
-        await _finish(run, proc, pumps, report_read, workdir, group)
+        await _finish(run, proc, pumps, report_read, (out_read, err_read), workdir, group)
         run.wall_s = time.monotonic() - started
     return run
+
+
+def _output_pipe() -> tuple[int, int]:
+    """A pipe for one of the program's streams: the read end non-blocking, as large as allowed."""
+    read, write = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(read, False)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(read, fcntl.F_SETPIPE_SZ, READ_CHUNK)
+    return read, write
 
 
 def _supervisor_config(
@@ -212,21 +243,39 @@ def _supervisor_config(
     }
 
 
+async def _readable(fd: int) -> None:
+    """Wait until ``fd`` has data or its end (one wake-up of the event loop)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
 async def _pump(
-    proc: asyncio.subprocess.Process,
-    stream: asyncio.StreamReader | None,
-    capture: OutputCapture,
-    run: SandboxRun,
-    output_kill_bytes: int,
+    proc: asyncio.subprocess.Process, fd: int, capture: OutputCapture, run: SandboxRun, output_kill_bytes: int
 ) -> None:
-    """Read a stream to its end in chunks; past the output budget, stop the program (keep draining)."""
-    assert stream is not None
-    while chunk := await stream.read(65536):
+    """Read a stream to its end in chunks of up to READ_CHUNK bytes, paced after UNPACED_READS (see
+    READ_INTERVAL_S); past the output budget, stop the program (and keep draining)."""
+    reads = 0
+    while True:
+        try:
+            chunk = os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            await _readable(fd)
+            continue
+        if not chunk:
+            return
         capture.add(chunk)
         if not run.flooded and run.stdout.total + run.stderr.total > output_kill_bytes:
             run.flooded = True
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
+        reads += 1
+        if reads >= UNPACED_READS:
+            await asyncio.sleep(READ_INTERVAL_S)
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
@@ -247,6 +296,7 @@ async def _finish(
     proc: asyncio.subprocess.Process | None,
     pumps: list[asyncio.Task[None]],
     report_read: int,
+    output_fds: tuple[int, ...],
     workdir: str,
     group: cgroups.CallCgroup | None,
 ) -> None:
@@ -274,7 +324,8 @@ async def _finish(
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
     finally:
-        os.close(report_read)
+        for fd in (report_read, *output_fds):
+            os.close(fd)
         run.report.update(memory_peak_mb=None, oom_killed=None)
         if group is not None:
             run.report.update(await asyncio.to_thread(group.stats))

@@ -1,17 +1,25 @@
-"""The ``python`` tool's seccomp filter: no Unix-domain IPC out of the sandbox, through ctypes.
+"""The ``python`` tool's seccomp filter, in the spirit of Docker's default profile: it refuses what
+a Python tool never needs, through ctypes. Standard library only (the supervisor runs ``python -I -S``).
 
-A program could otherwise ``connect()`` to any Unix socket file it can reach (the D-Bus system
-bus, an X11 or Docker socket, a service started with umask 0) or send to one with ``sendto``.
-Seccomp cannot read the address ``connect`` is given, so the filter refuses the socket itself:
-
-- ``socket(AF_UNIX, ...)``: EPERM (no listener, no client; ``socketpair`` stays: a connected pair
-  of stream or seqpacket sockets reaches nothing outside the process tree);
-- ``socketpair`` of any other type: EPERM (a datagram socket can ``connect``/``sendto`` anew);
-- ``io_uring_setup``/``enter``/``register``: EPERM (io_uring creates sockets without ``socket``);
+- ``socket``: an allow-list of families and protocols. With a network namespace of its own
+  (``network=True``): AF_INET and AF_INET6 TCP (stream, protocol 0 or IPPROTO_TCP) and UDP (datagram,
+  0 or IPPROTO_UDP), and AF_NETLINK's NETLINK_ROUTE (glibc reads the interfaces through it:
+  ``getaddrinfo`` with AI_ADDRCONFIG, ``if_nameindex``); without one, no socket at all (the call has
+  no network). Everything else is EPERM: AF_UNIX (a host Unix socket could be reached; seccomp
+  cannot read ``connect``'s address), AF_VSOCK (no per-namespace port space), MPTCP and SCTP (past
+  Landlock's TCP rules), raw and packet sockets, other netlink families (the host's device events).
+- ``socketpair``: stream and seqpacket pairs only (asyncio and multiprocessing use them; they reach
+  nothing outside the process tree), EPERM for datagram pairs, which can ``connect`` anew.
+- ``io_uring_setup``/``enter``/``register``: EPERM (io_uring creates sockets without ``socket``).
+- ``keyctl``, ``add_key``, ``request_key``: EPERM. Keys are in no namespace: a program could read the
+  session keyring it inherits or leave keys behind for a later call.
+- ``unshare`` and ``clone`` with CLONE_NEWUSER: EPERM; ``clone3``: ENOSYS, so that glibc and Python
+  fall back to ``clone``, whose flags the filter can read. In a user namespace of its own a program
+  could make a network namespace whose socket buffers no cgroup v1 charges.
 - a system call of another ABI (32-bit x86, x32): the process is killed.
 
 Only x86_64 and aarch64 are known (by system call number); elsewhere ``unsupported`` says why
-and no filter is installed. Standard library only (the supervisor runs with ``python -I -S``).
+and no filter is installed.
 """
 
 from __future__ import annotations
@@ -24,14 +32,23 @@ import sys
 
 PR_GET_SECCOMP, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 21, 22, 2
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-BPF_LD_W_ABS, BPF_ALU_AND_K, BPF_JEQ_K, BPF_JGE_K, BPF_JGT_K, BPF_RET_K = 0x20, 0x54, 0x15, 0x35, 0x25, 0x06
-AF_UNIX, SOCK_STREAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 1, 5, 0xF
-IO_URING_FIRST, IO_URING_LAST = 425, 427  # io_uring_setup, io_uring_enter, io_uring_register: every arch
+BPF_LD_W_ABS, BPF_ALU_AND_K, BPF_JEQ_K, BPF_JGE_K, BPF_JGT_K, BPF_JSET_K, BPF_RET_K = (
+    0x20, 0x54, 0x15, 0x35, 0x25, 0x45, 0x06,
+)  # fmt: skip
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
+SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 2, 5, 0xF
+IPPROTO_TCP, IPPROTO_UDP, NETLINK_ROUTE = 6, 17, 0
+CLONE_NEWUSER = 0x10000000
+IO_URING_FIRST, IO_URING_LAST, NR_CLONE3 = 425, 427, 435  # the same numbers on every arch
 X32_SYSCALL_BIT = 0x40000000
-ARCHES = {  # machine: (AUDIT_ARCH_*, __NR_socket, __NR_socketpair)
-    "x86_64": (0xC000003E, 41, 53),
-    "aarch64": (0xC00000B7, 198, 199),
-}
+ARCHES = {  # machine: AUDIT_ARCH_*, and the system call numbers that differ
+    "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "clone": 56, "unshare": 272, "keys": (248, 249, 250)}),
+    "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "clone": 220, "unshare": 97, "keys": (217, 218, 219)}),
+}  # keys: add_key, request_key, keyctl
+MECHANISMS = ("seccomp:no-unix-sockets", "seccomp:socket-allowlist", "seccomp:no-keys", "seccomp:no-userns")
+"""What the filter closes, as ``metrics["sandbox"]`` names it."""
+GAPS = ("keys-open", "userns-open", "socket-families-open")
+"""What stays open without it (besides Unix-socket IPC, reported as ``unix-ipc-*``)."""
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -55,7 +72,8 @@ def unsupported() -> str | None:
 
 
 def _assemble(program: list[tuple]) -> list[tuple[int, int, int, int]]:
-    """(label,) marks a position; (code, k, true_label, false_label) jumps; (code, k) does not."""
+    """(label,) marks a position; (code, k, true_label, false_label) jumps (None: the next
+    instruction); (code, k) does not."""
     labels, position = {}, 0
     for item in program:
         if len(item) == 1:
@@ -70,47 +88,70 @@ def _assemble(program: list[tuple]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def filter_program() -> list[tuple[int, int, int, int]]:
-    """The BPF program for this machine (see the module docstring)."""
-    arch, nr_socket, nr_socketpair = ARCHES[os.uname().machine]
-    deny = SECCOMP_RET_ERRNO | errno.EPERM
+def filter_program(network: bool) -> list[tuple[int, int, int, int]]:
+    """The BPF program for this machine (see the module docstring); ``network``: the call has a
+    network namespace of its own, where TCP and UDP sockets are allowed."""
+    arch, numbers = ARCHES[os.uname().machine]
+    deny, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     arg = 16  # offsetof(struct seccomp_data, args): nr (4), arch (4), instruction_pointer (8); low half first
-    program = [
-        (BPF_LD_W_ABS, 4),
-        (BPF_JEQ_K, arch, "native", "kill"),
-        ("native",),
-        (BPF_LD_W_ABS, 0),
-        (BPF_JGE_K, X32_SYSCALL_BIT, "kill", "number"),  # x32 numbers never appear on aarch64
-        ("number",),
-        (BPF_JEQ_K, nr_socket, "socket", "not-socket"),
-        ("not-socket",),
-        (BPF_JEQ_K, nr_socketpair, "socketpair", "not-socketpair"),
-        ("not-socketpair",),
-        (BPF_JGE_K, IO_URING_FIRST, "io-uring?", "allow"),
-        ("io-uring?",),
-        (BPF_JGT_K, IO_URING_LAST, "allow", "deny"),
-        ("socket",),
-        (BPF_LD_W_ABS, arg),  # domain
-        (BPF_JEQ_K, AF_UNIX, "deny", "allow"),
-        ("socketpair",),
-        (BPF_LD_W_ABS, arg + 8),  # type, with SOCK_NONBLOCK / SOCK_CLOEXEC
-        (BPF_ALU_AND_K, SOCK_TYPE_MASK),
-        (BPF_JEQ_K, SOCK_STREAM, "allow", "not-stream"),
-        ("not-stream",),
-        (BPF_JEQ_K, SOCK_SEQPACKET, "allow", "deny"),
-        ("allow",),
-        (BPF_RET_K, SECCOMP_RET_ALLOW),
-        ("deny",),
-        (BPF_RET_K, deny),
-        ("kill",),
-        (BPF_RET_K, SECCOMP_RET_KILL_PROCESS),
-    ]
-    return _assemble(program)
+    families = [(AF_INET, "inet"), (AF_INET6, "inet"), (AF_NETLINK, "netlink")] if network else []
+    return _assemble(
+        [
+            (BPF_LD_W_ABS, 4),
+            (BPF_JEQ_K, arch, None, "kill"),
+            (BPF_LD_W_ABS, 0),
+            (BPF_JGE_K, X32_SYSCALL_BIT, "kill", None),  # x32 numbers never appear on aarch64
+            (BPF_JEQ_K, numbers["socket"], "socket", None),
+            (BPF_JEQ_K, numbers["socketpair"], "socketpair", None),
+            (BPF_JEQ_K, numbers["clone"], "flags", None),
+            (BPF_JEQ_K, numbers["unshare"], "flags", None),
+            *((BPF_JEQ_K, number, "deny", None) for number in numbers["keys"]),
+            (BPF_JEQ_K, NR_CLONE3, "enosys", None),
+            (BPF_JGE_K, IO_URING_FIRST, None, "allow"),
+            (BPF_JGT_K, IO_URING_LAST, "allow", "deny"),
+            ("flags",),  # clone's and unshare's first argument
+            (BPF_LD_W_ABS, arg),
+            (BPF_JSET_K, CLONE_NEWUSER, "deny", "allow"),
+            ("socket",),
+            (BPF_LD_W_ABS, arg),  # domain
+            *((BPF_JEQ_K, family, label, None) for family, label in families),
+            (BPF_RET_K, deny),
+            ("inet",),
+            (BPF_LD_W_ABS, arg + 8),  # type, with SOCK_NONBLOCK / SOCK_CLOEXEC
+            (BPF_ALU_AND_K, SOCK_TYPE_MASK),
+            (BPF_JEQ_K, SOCK_STREAM, "stream", None),
+            (BPF_JEQ_K, SOCK_DGRAM, "datagram", "deny"),
+            ("stream",),
+            (BPF_LD_W_ABS, arg + 16),  # protocol
+            (BPF_JEQ_K, 0, "allow", None),
+            (BPF_JEQ_K, IPPROTO_TCP, "allow", "deny"),
+            ("datagram",),
+            (BPF_LD_W_ABS, arg + 16),
+            (BPF_JEQ_K, 0, "allow", None),
+            (BPF_JEQ_K, IPPROTO_UDP, "allow", "deny"),
+            ("netlink",),
+            (BPF_LD_W_ABS, arg + 16),
+            (BPF_JEQ_K, NETLINK_ROUTE, "allow", "deny"),
+            ("socketpair",),
+            (BPF_LD_W_ABS, arg + 8),
+            (BPF_ALU_AND_K, SOCK_TYPE_MASK),
+            (BPF_JEQ_K, SOCK_STREAM, "allow", None),
+            (BPF_JEQ_K, SOCK_SEQPACKET, "allow", "deny"),
+            ("allow",),
+            (BPF_RET_K, SECCOMP_RET_ALLOW),
+            ("deny",),
+            (BPF_RET_K, deny),
+            ("enosys",),
+            (BPF_RET_K, enosys),
+            ("kill",),
+            (BPF_RET_K, SECCOMP_RET_KILL_PROCESS),
+        ]
+    )
 
 
-def install() -> None:
+def install(network: bool) -> None:
     """Install the filter on this process and its future children (no_new_privs must be set)."""
-    instructions = filter_program()
+    instructions = filter_program(network)
     array = (_SockFilter * len(instructions))(*(_SockFilter(*item) for item in instructions))
     prog = _SockFprog(len(instructions), ctypes.cast(array, ctypes.POINTER(_SockFilter)))
     result = _LIBC.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0)

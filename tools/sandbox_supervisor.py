@@ -129,8 +129,6 @@ def _exec_program(
         for which, value in limits.items():
             resource.setrlimit(which, value)
         os.chdir(cfg["workdir"])
-        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(OOM_SCORE_ADJ))  # as root this also becomes the lowest value it may set
         if uid is not None:
             kernel.switch_user(uid, uid)
         kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
@@ -147,7 +145,7 @@ def _exec_program(
         os.closerange(3, err)
         os.closerange(err + 1, 4096)  # the supervisor opens only a handful
         if filtered:
-            seccomp.install()  # last: no Unix sockets from here on
+            seccomp.install(network=netns)  # last: no Unix sockets, keys or user namespaces from here on
         mode = "network-namespace" if netns else "block-sockets"
         argv = [cfg["python"], "-I", "-B", "-u", "-c", cfg["bootstrap"], mode]
         os.execve(cfg["python"], argv, cfg["env"])
@@ -186,6 +184,7 @@ def _init(
     cgroup, pids_bound = _enter_cgroup(cfg, cgroup_fds)
     disabled, root = set(cfg["disable"]), os.geteuid() == 0
     mechanisms = ["subreaper", "rlimits", *(["userns"] if userns else []), *(["pidns"] if pidns else []), *cgroup]
+    mechanisms += [kernel.set_oom_score_adj(OOM_SCORE_ADJ), kernel.fresh_session_keyring()]  # inherited; before mounts
     mntns = netns = False
     if (root or userns) and "mntns" not in disabled:
         outer = os.readlink("/proc/self/ns/mnt")
@@ -232,14 +231,16 @@ def _init(
     landlock = kernel.landlock_abi() if "landlock" not in disabled else 0
     if landlock:
         mechanisms.append(f"landlock:v{landlock}")
-    network = "netns" if netns else "landlock-tcp+socket-patch" if landlock >= 4 else "socket-patch"
     problem = "disabled" if "seccomp" in disabled else seccomp.unsupported()
     filtered = problem is None
-    mechanisms.append("seccomp:no-unix-sockets" if filtered else f"no-seccomp ({problem})")
+    mechanisms += seccomp.MECHANISMS if filtered else [f"no-seccomp ({problem})"]
+    network = "+".join(["seccomp"] * filtered + ["landlock-tcp"] * (landlock >= 4) + ["socket-patch"])
+    network = "netns" if netns else network
     private_dirs = any(item.startswith("private-dirs") for item in mechanisms)
     if not filtered:  # abstract sockets: the network namespace or Landlock 6+ separate them
         abstract = netns or landlock >= 6
         mechanisms.append("unix-ipc-partly-open" if private_dirs and abstract else "unix-ipc-open")
+        mechanisms += seccomp.GAPS
     ipc = "+".join(["seccomp"] * filtered + ["private-dirs"] * private_dirs) or "open"
     err_read, err_write = os.pipe2(os.O_CLOEXEC)
     program = os.fork()
@@ -352,9 +353,13 @@ def _supervise(cfg: dict[str, Any], report: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """Entry point of the supervisor process: ``argv[1]`` is the JSON config; the JSON report goes to
-    ``report_fd``. Whatever happens, every descendant is dead and reaped before it exits."""
-    cfg = json.loads(sys.argv[1])
+    """Entry point of the supervisor process: the JSON config is the rest of stdin (after the line the
+    launch read), which then becomes /dev/null; the JSON report goes to ``report_fd``. Whatever
+    happens, every descendant is dead and reaped before it exits."""
+    cfg = json.loads(sys.stdin.buffer.read())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     report: dict[str, Any] = {"mechanisms": [], "network": None, "ipc": None, "status": None, "cpu_s": None}
     report.update(reason=None, error=None)
     signal.signal(signal.SIGTERM, _raise_stop)
