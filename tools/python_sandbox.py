@@ -41,8 +41,9 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
   files under /dev); no TCP bind/connect (ABI 4+); no signals to, and no abstract sockets of,
   processes outside the sandbox (ABI 6+).
 - ``netns``: no network at all, and no abstract Unix socket of the host (``ipcns`` with it: System V
-  IPC and POSIX message queues of its own). Otherwise sockets other than AF_UNIX are refused by the
-  program's bootstrap (``socket-patch``: a speed bump only, ctypes or a subprocess get around it).
+  IPC and POSIX message queues of its own). Otherwise seccomp refuses every socket (below); where
+  seccomp is missing, sockets other than AF_UNIX are refused by the program's bootstrap
+  (``socket-patch``: a speed bump only, ctypes or a subprocess get around it).
 - ``seccomp:*`` (x86_64 and aarch64, ``tools/sandbox_seccomp.py``): ``no-unix-sockets``:
   ``socket(AF_UNIX)`` and io_uring are refused (EPERM), ``socketpair`` only for stream and seqpacket
   pairs: no IPC out of the sandbox whatever the filesystem shows; ``socket-allowlist``: TCP, UDP and
