@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from test_python_tool import MODES, assert_nothing_left, make_tool, read, run, sandbox_processes
 
+from tools import sandbox_kernel as kernel
 from tools.sandbox_run import PACKAGE_ROOT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,10 +304,12 @@ async def test_every_process_of_the_program_has_oom_score_adj_1000_from_outside(
     assert sandbox_processes() == []
 
 
-async def test_a_failure_to_set_oom_score_adj_is_reported():
+async def test_oom_score_adj_is_reported_as_applied_and_a_failure_with_its_reason():
     response, _ = await run(make_tool(), "pass")
-    entries = [item for item in response.metrics["sandbox"] if "oom-score-adj" in item]
-    assert entries == ["oom-score-adj"]  # applied and read back here; otherwise "no-oom-score-adj (why)"
+    assert [item for item in response.metrics["sandbox"] if "oom-score-adj" in item] == ["oom-score-adj"]
+    before = Path("/proc/self/oom_score_adj").read_text()
+    assert kernel.set_oom_score_adj(2000) == "no-oom-score-adj ([Errno 22] Invalid argument)"  # out of range
+    assert Path("/proc/self/oom_score_adj").read_text() == before
 
 
 # ---------------------------------------------------------------- output, command line, terminal bytes
