@@ -195,18 +195,21 @@ def test_changing_tool_output_tokens_does_not_change_the_loss(chat, model):
     assert loss_for("339340") == loss_for("999999")
 
 
+def loss_and_grads(model, batch: Batch, chunk_tokens: int = 1024) -> tuple[float, list[torch.Tensor]]:
+    """The SFT loss of ``batch`` and every parameter's gradient, from zeroed gradients."""
+    model.zero_grad()
+    loss = sft_loss(model, batch, chunk_tokens)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
 def test_shared_prefix_forward_gives_the_full_forward_loss_and_gradients(chat, model):
     examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(4, seed=0)]
     batch = collate(examples, chat.tokenizer.pad_token_id)
     assert batch.shared_prefix > 300  # the system prompt with the tool schema
 
-    results = []
-    for prefix in (batch.shared_prefix, 0):
-        model.zero_grad()
-        loss = sft_loss(model, Batch(batch.input_ids, batch.loss_mask, prefix))
-        loss.backward()
-        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
-    (shared_loss, shared_grads), (full_loss, full_grads) = results
+    shared_loss, shared_grads = loss_and_grads(model, Batch(batch.input_ids, batch.loss_mask, batch.shared_prefix))
+    full_loss, full_grads = loss_and_grads(model, Batch(batch.input_ids, batch.loss_mask, 0))
     assert shared_loss == pytest.approx(full_loss, rel=1e-5)
     for a, b in zip(shared_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -216,14 +219,10 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(chat, model):
     examples = [tokenize_conversation(chat, r.prompt) for r in make_calc_sft_records(3, seed=2)]
     batch = collate(examples, chat.tokenizer.pad_token_id)
     batch = Batch(batch.input_ids, batch.loss_mask, 0)  # (checkpointed layers cannot share a cached prefix)
-    results = []
-    for checkpointed in (copy.deepcopy(model), model):
-        if checkpointed is not model:
-            enable_checkpointing(checkpointed)
-        loss = sft_loss(checkpointed, batch, chunk_tokens=7)
-        loss.backward()
-        results.append((loss.item(), [p.grad.clone() for p in checkpointed.parameters()]))
-    (loss_a, grads_a), (loss_b, grads_b) = results
+    checkpointed = copy.deepcopy(model)
+    enable_checkpointing(checkpointed)
+    loss_a, grads_a = loss_and_grads(checkpointed, batch, chunk_tokens=7)
+    loss_b, grads_b = loss_and_grads(model, batch, chunk_tokens=7)
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     for a, b in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -13,6 +13,8 @@ import stat
 import struct
 from typing import Any
 
+from tools.sandbox_seccomp import ARCHES as seccomp_arches  # the system call numbers, per machine
+
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 CLONE_NEWIPC = 0x08000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
@@ -29,7 +31,6 @@ MOUNT_OPTION_FLAGS = {
     "relatime": MS_RELATIME,
     "strictatime": MS_STRICTATIME,
 }
-SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 KEYCTL_JOIN_SESSION_KEYRING = 1
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
 LANDLOCK_WRITE_FILE, LANDLOCK_READ_FILE, LANDLOCK_READ_DIR = 1 << 1, 1 << 2, 1 << 3
@@ -75,9 +76,10 @@ def set_oom_score_adj(value: int) -> str:
 def fresh_session_keyring() -> str:
     """Join a new anonymous session keyring (inherited by what this process starts), leaving the one
     inherited from the trainer. Returns the ``sandbox`` entry: ``session-keyring``, or why not."""
-    number = SYS_KEYCTL.get(os.uname().machine)
-    if number is None:
+    arch = seccomp_arches.get(os.uname().machine)
+    if arch is None:
         return "no-session-keyring (unknown architecture)"
+    number = arch[1]["keyctl"]
     result = _LIBC.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
     if result < 0:
         return f"no-session-keyring ({os.strerror(ctypes.get_errno())})"

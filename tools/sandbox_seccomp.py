@@ -42,9 +42,12 @@ CLONE_NEWUSER = 0x10000000
 IO_URING_FIRST, IO_URING_LAST, NR_CLONE3 = 425, 427, 435  # the same numbers on every arch
 X32_SYSCALL_BIT = 0x40000000
 ARCHES = {  # machine: AUDIT_ARCH_*, and the system call numbers that differ
-    "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "clone": 56, "unshare": 272, "keys": (248, 249, 250)}),
-    "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "clone": 220, "unshare": 97, "keys": (217, 218, 219)}),
-}  # keys: add_key, request_key, keyctl
+    "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "clone": 56, "unshare": 272, "add_key": 248,
+                            "request_key": 249, "keyctl": 250}),
+    "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "clone": 220, "unshare": 97, "add_key": 217,
+                             "request_key": 218, "keyctl": 219}),
+}  # fmt: skip
+KEY_CALLS = ("add_key", "request_key", "keyctl")
 MECHANISMS = ("seccomp:no-unix-sockets", "seccomp:socket-allowlist", "seccomp:no-keys", "seccomp:no-userns")
 """What the filter closes, as ``metrics["sandbox"]`` names it."""
 GAPS = ("keys-open", "userns-open", "socket-families-open")
@@ -105,7 +108,7 @@ def filter_program(network: bool) -> list[tuple[int, int, int, int]]:
             (BPF_JEQ_K, numbers["socketpair"], "socketpair", None),
             (BPF_JEQ_K, numbers["clone"], "flags", None),
             (BPF_JEQ_K, numbers["unshare"], "flags", None),
-            *((BPF_JEQ_K, number, "deny", None) for number in numbers["keys"]),
+            *((BPF_JEQ_K, numbers[name], "deny", None) for name in KEY_CALLS),
             (BPF_JEQ_K, NR_CLONE3, "enosys", None),
             (BPF_JGE_K, IO_URING_FIRST, None, "allow"),
             (BPF_JGT_K, IO_URING_LAST, "allow", "deny"),
