@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from data.reward_fns import RewardFn
 from data.schema import Record
+from rollout.adapters import AdapterError, is_adapter_dir, merged_model_dir
 from rollout.config import GatewayConfig, GatewayJobConfig, JudgeConfig, PromptsConfig, RolloutConfig, RolloutJobConfig
 from rollout.engines.base import Engine
 from rollout.engines.config import EngineConfig
@@ -45,7 +46,8 @@ class SetupError(ValueError):
 
 def resolve_model(model: str | Path | None) -> Path:
     """The model directory to use: ``model``, or the embedded model. Any directory with a
-    ``config.json`` is one, training checkpoints (``out/checkpoints/step-N``) and ``out/final`` included."""
+    ``config.json`` is one, training checkpoints (``out/checkpoints/step-N``) and ``out/final`` included;
+    a LoRA adapter directory gives its base model with the adapter merged (``rollout/adapters.py``)."""
     if model is None:
         from data.tiny_model import EMBEDDED_MODEL
 
@@ -56,6 +58,11 @@ def resolve_model(model: str | Path | None) -> Path:
             "rebuilds it); or give a model directory (a local Hugging Face causal-LM directory)"
         )
     path = Path(model)
+    if is_adapter_dir(path):  # a LoRA adapter (peft's format): its base with the adapter merged in
+        try:
+            return merged_model_dir(path)
+        except AdapterError as exc:
+            raise SetupError(f"model {path}: {exc}") from None
     if (path / "config.json").is_file():
         return path
     if (path / "metrics.jsonl").is_file() or (path / "checkpoints").is_dir():

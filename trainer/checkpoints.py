@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +51,33 @@ def save_model_dir(model: Any, tokenizer: Any, directory: str | Path, state_dict
     return atomic_directory(directory, write)
 
 
+def save_adapter_dir(policy: Any, tokenizer: Any, directory: str | Path, base_model: Path) -> Path:
+    """Replace ``directory`` with the LoRA adapter of ``policy`` (peft's format, naming
+    ``base_model``) and the tokenizer, atomically."""
+
+    def write(partial: Path) -> None:
+        policy.save_adapter(partial, base_model)
+        with quiet_transformers():
+            tokenizer.save_pretrained(partial)
+        _readable(partial)
+
+    return atomic_directory(Path(directory), write)
+
+
 def copy_model_dir(source: str | Path, directory: str | Path) -> Path:
     """Replace ``directory`` with a copy of the model directory ``source``, atomically."""
     return atomic_directory(directory, lambda partial: shutil.copytree(source, partial, dirs_exist_ok=True))
 
 
 def save_training_checkpoint(accelerator: Any, lm: Any, tokenizer: Any, directory: Path, trainer_state: dict[str, Any],
-                             full_state: dict[str, Any] | None = None) -> Path:  # fmt: skip
+                             full_state: dict[str, Any] | None = None,
+                             adapter: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
     """Accelerate's state of every process plus ``trainer_state.json``, the config and tokenizer of
     the model ``lm`` (so the checkpoint loads as a model), renamed into place by the main process.
     ``full_state``: the gathered weights of a sharded (FSDP) run, whose Accelerate state holds
-    shards only, written as the checkpoint's ``model.safetensors``."""
+    shards only, written as the checkpoint's ``model.safetensors``. ``adapter`` (LoRA): writes the
+    adapter in peft's format into the checkpoint instead of the model's config, so that it loads as
+    an adapter directory (base model named in its ``adapter_config.json``)."""
     partial = directory.with_name(directory.name + ".partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -73,9 +89,12 @@ def save_training_checkpoint(accelerator: Any, lm: Any, tokenizer: Any, director
         if full_state is not None:
             with quiet_transformers():
                 lm.save_pretrained(partial, state_dict=full_state, safe_serialization=True)
-        lm.config.save_pretrained(partial)
-        if getattr(lm, "generation_config", None) is not None:
-            lm.generation_config.save_pretrained(partial)
+        if adapter is not None:
+            adapter(partial)
+        else:
+            lm.config.save_pretrained(partial)
+            if getattr(lm, "generation_config", None) is not None:
+                lm.generation_config.save_pretrained(partial)
         with quiet_transformers():
             tokenizer.save_pretrained(partial)
         _readable(partial)

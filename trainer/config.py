@@ -23,6 +23,43 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 KLEstimator = Literal["k1", "k3"]
 
 
+LORA_BASE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoRAConfig:
+    """``lora:`` of ``rallyrl train`` and ``rallyrl sft``: train a low-rank adapter instead of the model."""
+
+    rank: int = 16
+    """r: the adapter's rank (A is rank x in, B is out x rank)."""
+    alpha: float = 32.0
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names (suffixes, e.g. q_proj, v_proj) to adapt, or ``all-linear``: every linear layer
+    but the output head."""
+    base_dtype: str = "float32"
+    """The frozen base weights' dtype: float32, bfloat16 (halves their memory on a GPU) or float16.
+    The adapter trains in float32."""
+    exclude: list[str] = field(default_factory=list)
+    """Module names never adapted (e.g. a vision tower)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in LORA_BASE_DTYPES:
+            raise ConfigError(f"lora.base_dtype must be one of {list(LORA_BASE_DTYPES)}, got {self.base_dtype!r}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self.target_modules = [self.target_modules]
+        if not self.target_modules:
+            raise ConfigError("lora.target_modules is empty: name modules (q_proj, v_proj, ...) or all-linear")
+
+
 def _calc_rollout(**changes: Any) -> RolloutConfig:
     """The rollout preset of training and evaluation on the calc task: few, short turns."""
     return RolloutConfig(**{"max_turns": 3, "max_new_tokens": 96, "max_model_len": 1024, **changes})
@@ -143,6 +180,10 @@ class GRPOConfig(PromptsConfig):
     """Trained tokens per chunk through the LM head: one chunk's float32 logits (chunk x vocabulary
     x 4 bytes: 0.6 GB for Qwen2.5's 151,936) are the most that exists at a time, recomputed in
     backward. 0: the whole micro-batch's logits at once (the unchunked reference, for benchmarks)."""
+    lora: LoRAConfig | None = None
+    """Train a LoRA adapter (peft) instead of the whole model: only the adapter has gradients and
+    optimizer state, the KL reference is the base with the adapter off, checkpoints and final/ hold
+    the adapter, and the engine gets the adapter merged into its weights. null: full fine-tuning."""
 
     # --- bookkeeping ---
     checkpoint_every: int = 10
@@ -298,6 +339,8 @@ class SFTConfig(CommonConfig):
     100 M parameters or more. On, a batch's shared prefix is not cached (rows run in full)."""
     logprob_chunk_tokens: int = 1024
     """Trained tokens per chunk through the LM head (as ``rallyrl train``'s); 0: all at once."""
+    lora: LoRAConfig | None = None
+    """Train a LoRA adapter instead of the whole model (as ``rallyrl train``'s); null: full fine-tuning."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -52,7 +52,13 @@ from rollout.stats import RolloutCounts
 from rollout.tokens import load_tokenizer
 from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
-from trainer.checkpoints import load_training_checkpoint, prune_checkpoints, save_model_dir, save_training_checkpoint
+from trainer.checkpoints import (
+    load_training_checkpoint,
+    prune_checkpoints,
+    save_adapter_dir,
+    save_model_dir,
+    save_training_checkpoint,
+)
 from trainer.config import GRPOConfig
 from trainer.distributed import make_accelerator, max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
@@ -113,7 +119,8 @@ class GRPOTrainer:
         self.out = Path(config.out)
         self.model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        reference = load_lm(self.model_dir, compute_dtype(self.accelerator)) if config.kl_beta > 0 else None
+        with_reference = config.kl_beta > 0 and config.lora is None  # (LoRA's reference: the base, adapter off)
+        reference = load_lm(self.model_dir, compute_dtype(self.accelerator)) if with_reference else None
         self.policy = Policy(config, self.accelerator, load_lm(self.model_dir), self.tokenizer.pad_token_id or 0,
                              reference)  # fmt: skip
         self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
@@ -346,8 +353,9 @@ class GRPOTrainer:
             self.state.data_position = min(lowest)
         full = self.policy.state_dict() if self.policy.sharded else None
         directory = parent / f"step-{self.state.step:06d}"
+        adapter = None if self.config.lora is None else lambda at: self.policy.save_adapter(at, self.model_dir)
         save_training_checkpoint(self.accelerator, self.policy.language_model(), self.tokenizer, directory,
-                                 dataclasses.asdict(self.state), full)  # fmt: skip
+                                 dataclasses.asdict(self.state), full, adapter)  # fmt: skip
         if self.is_main:
             prune_checkpoints(parent, self.config.keep_checkpoints)
 
@@ -367,7 +375,10 @@ class GRPOTrainer:
         state = self.policy.state_dict()  # (gathered by all under FSDP)
         if not self.is_main:
             return
-        save_model_dir(self.policy.language_model(), self.tokenizer, self.out / "final", state)
+        if self.config.lora is not None:  # the adapter, in peft's format, naming the base model
+            save_adapter_dir(self.policy, self.tokenizer, self.out / "final", self.model_dir)
+        else:
+            save_model_dir(self.policy.language_model(), self.tokenizer, self.out / "final", state)
         if history:
             plot_curves(history, self.out / "curves.png")
 

@@ -26,6 +26,7 @@ from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.config import GRPOConfig
 from trainer.distributed import full_state_dict, is_fsdp, shard_like_policy, sum_across_processes
 from trainer.logprobs import chunked_logprobs, full_logits_logprobs
+from trainer.lora import apply_lora, merged_state_dict, save_adapter
 from trainer.losses import policy_loss, truncated_is_weights
 
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -129,14 +130,21 @@ class Policy:
         self.config, self.accelerator, self.pad_id = config, accelerator, pad_id
         self.checkpointing = wants_checkpointing(config.gradient_checkpointing, lm)
         self.packing = wants_packing(config.packing, lm)
-        if (reference is None) != (config.kl_beta <= 0):
+        self.peft: Any = None  # with ``lora``: the PeftModel around ``lm`` (which holds the LoRA layers)
+        if config.lora is not None:
+            if reference is not None:
+                raise ValueError("with lora the KL reference is the base model with the adapter off: pass none")
+            lm = lm.to(getattr(torch, config.lora.base_dtype))
+            self.peft = apply_lora(lm, config.lora)
+        elif (reference is None) != (config.kl_beta <= 0):
             raise ValueError("a reference model is needed exactly when kl_beta > 0")
         if reference is not None:
             reference = PolicyModel(reference.eval().requires_grad_(False))
         if self.checkpointing:
             enable_checkpointing(lm)
         model = PolicyModel(lm)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # (LoRA: the adapter)
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
         scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps)
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
         self.reference = None
@@ -157,18 +165,25 @@ class Policy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full state dict under the LM's own names, on every process (gathered under FSDP:
-        every process must call it)."""
+        every process must call it); with LoRA, the base weights with the adapter merged in."""
         if self.sharded:
             return full_state_dict(self.model)
+        if self.peft is not None:
+            return merged_state_dict(self.language_model())
         return self.language_model().state_dict()
 
     def engine_copy(self) -> PreTrainedModel:
-        """A separate, unsharded copy of the policy in eval mode, for an in-process engine."""
-        if not self.sharded:
+        """A separate, unsharded copy of the policy in eval mode, for an in-process engine (with
+        LoRA: a plain model holding the merged weights, in float32)."""
+        if not self.sharded and self.peft is None:
             return copy.deepcopy(self.language_model()).eval()
         plain = AutoModelForCausalLM.from_config(self.language_model().config, dtype=torch.float32)
         plain.load_state_dict(self.state_dict())
         return plain.eval()
+
+    def save_adapter(self, directory: Path, base_model: Path) -> None:
+        """With LoRA: the adapter in peft's format in ``directory``, naming ``base_model``."""
+        save_adapter(self.peft, directory, base_model)
 
     # ----- logprobs and the loss --------------------------------------------------------------
 
@@ -194,6 +209,9 @@ class Policy:
         if self.reference is not None:
             with torch.no_grad():
                 reference = self.logprobs(batch, model=self.reference)[0]
+        elif self.peft is not None and config.kl_beta > 0:  # the base model: the same weights, adapter off
+            with torch.no_grad(), self.peft.disable_adapter():
+                reference = self.logprobs(batch, model=self.accelerator.unwrap_model(self.model))[0]
         is_weights = None
         if config.tis_cap is not None:
             is_weights = truncated_is_weights(old_logprobs, batch.engine_logprobs[:, 1:], config.tis_cap) * mask
@@ -293,7 +311,6 @@ class Policy:
         """Gradients are reduced across processes on a step's last micro-batch only (DDP's
         ``no_sync``, FSDP2's ``set_requires_gradient_sync`` through Accelerate)."""
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
-
 
 
 def load_lm(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
