@@ -132,3 +132,28 @@ def test_adapter_layers_cover_every_linear_layer_but_the_head(tmp_path, tiny_mod
     trainer = lora_trainer(tmp_path, tiny_model_dir)
     names = {name.rsplit(".", 1)[-1] for name in lora_layers(trainer.policy.language_model())}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_sft_with_lora_checkpoints_adapters_and_evaluates_the_merged_model(tmp_path, tiny_model_dir):
+    from trainer.config import SFTConfig
+    from trainer.sft import run_sft
+
+    config = SFTConfig(model=str(tiny_model_dir), lora=LORA, num_examples=16, steps=4, batch_size=4,
+                       warmup_steps=1, eval_every=2, eval_prompts=2, log_every=2, lr=1e-2, out=str(tmp_path / "sft"),
+                       progress=False)  # fmt: skip
+    history = run_sft(config)
+    assert [entry["step"] for entry in history] == [2, 4]
+    assert all(0.0 <= entry["accuracy"] <= 1.0 for entry in history)
+    checkpoint = tmp_path / "sft" / "step-4"
+    assert is_adapter_dir(checkpoint) and adapter_base(checkpoint) == tiny_model_dir.resolve()
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    merged = AutoModelForCausalLM.from_pretrained(resolve_model(checkpoint))
+    assert (logits(merged, ids) - logits(load_lm(tiny_model_dir), ids)).abs().max() > 1e-4
+
+
+def test_sft_with_lora_needs_a_base_model(tmp_path):
+    from trainer.config import SFTConfig
+    from trainer.sft import run_sft
+
+    with pytest.raises(ValueError, match="lora: needs `model`"):
+        run_sft(SFTConfig(lora=LORA, out=str(tmp_path / "sft"), progress=False))

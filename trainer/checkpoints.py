@@ -51,12 +51,13 @@ def save_model_dir(model: Any, tokenizer: Any, directory: str | Path, state_dict
     return atomic_directory(directory, write)
 
 
-def save_adapter_dir(policy: Any, tokenizer: Any, directory: str | Path, base_model: Path) -> Path:
-    """Replace ``directory`` with the LoRA adapter of ``policy`` (peft's format, naming
+def save_adapter_dir(peft_model: Any, tokenizer: Any, directory: str | Path, base_model: Path) -> Path:
+    """Replace ``directory`` with the LoRA adapter of ``peft_model`` (peft's format, naming
     ``base_model``) and the tokenizer, atomically."""
+    from trainer.lora import save_adapter
 
     def write(partial: Path) -> None:
-        policy.save_adapter(partial, base_model)
+        save_adapter(peft_model, partial, base_model)
         with quiet_transformers():
             tokenizer.save_pretrained(partial)
         _readable(partial)

@@ -376,7 +376,7 @@ class GRPOTrainer:
         if not self.is_main:
             return
         if self.config.lora is not None:  # the adapter, in peft's format, naming the base model
-            save_adapter_dir(self.policy, self.tokenizer, self.out / "final", self.model_dir)
+            save_adapter_dir(self.policy.peft, self.tokenizer, self.out / "final", self.model_dir)
         else:
             save_model_dir(self.policy.language_model(), self.tokenizer, self.out / "final", state)
         if history:

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from data.model_padding import pad_model_dir
 from data.synthetic import make_calc_records, spaced_expression
 from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from rollout.adapters import merged_model_dir
 from rollout.api import resolve_model, set_threads
 from rollout.config import RolloutConfig
 from rollout.engines.config import LocalEngineConfig
@@ -38,8 +39,9 @@ from rollout.runner import RolloutRunner
 from rollout.stats import accuracy
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import BaseTool
-from trainer.checkpoints import quiet_transformers, save_model_dir
+from trainer.checkpoints import quiet_transformers, save_adapter_dir, save_model_dir
 from trainer.config import SFTConfig
+from trainer.lora import apply_lora
 from trainer.policy import PolicyModel, enable_checkpointing, wants_checkpointing
 from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
 
@@ -164,6 +166,13 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
 
     # model, tokenizer and the rollout's chat layout
     lm, tokenizer = load_model(config)
+    peft, base_dir = None, None
+    if config.lora is not None:  # only the adapter trains; checkpoints are adapter directories
+        if config.model is None:
+            raise ValueError("lora: needs `model`, the base model directory (a fresh tiny model has nothing to adapt)")
+        base_dir = resolve_model(config.model)
+        lm = lm.to(getattr(torch, config.lora.base_dtype))
+        peft = apply_lora(lm, config.lora)
     checkpointing = wants_checkpointing(config.gradient_checkpointing, lm)
     if checkpointing:
         enable_checkpointing(lm)
@@ -172,12 +181,15 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     chat, tools = calc_chat(tokenizer)
     examples = load_examples(config, chat)
     num_params = sum(p.numel() for p in model.parameters())
+    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = "" if peft is None else f" ({adapter:,} in the adapter)"
     console.print(
-        f"sft: {num_params / 1e6:.2f} M parameters, {len(examples)} examples, "
+        f"sft: {num_params / 1e6:.2f} M parameters{trained}, {len(examples)} examples, "
         f"{config.steps} steps of {config.batch_size}, lr {config.lr:g}, out {out}"
     )
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.schedule_steps or config.steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     data = batches(examples, config.batch_size, config.seed)
@@ -226,8 +238,13 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
             # checkpoint and held-out greedy evaluation
             if step % config.eval_every == 0 or step == config.steps:
                 with quiet_transformers():
-                    checkpoint = save_model_dir(lm, tokenizer, out / f"step-{step}")
+                    if peft is not None:
+                        checkpoint = save_adapter_dir(peft, tokenizer, out / f"step-{step}", base_dir)
+                    else:
+                        checkpoint = save_model_dir(lm, tokenizer, out / f"step-{step}")
                 entry = {"kind": "eval", "step": step, "checkpoint": str(checkpoint)}
+                if peft is not None:  # the engine runs the base with the adapter merged
+                    checkpoint = merged_model_dir(checkpoint)
                 if config.eval_prompts:
                     device = "cpu" if config.device == "cpu" else str(accelerator.device)
                     with quiet_transformers():
@@ -258,7 +275,8 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
             progress.stop()
         log.close()
     if config.export and history:
-        exported = pad_model_dir(history[-1]["checkpoint"], config.export, config.export_head_dim)
+        last = history[-1]["checkpoint"]
+        exported = pad_model_dir(merged_model_dir(last) if peft else last, config.export, config.export_head_dim)
         console.print(f"exported {history[-1]['checkpoint']} to {exported}")
     return history
 
