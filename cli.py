@@ -462,10 +462,11 @@ def bench(
 
 def _register_more_commands() -> None:
     """Commands on files and data, defined beside what they work on."""
-    from data.commands import data_app, new_model
+    from data.commands import data_app, export_model, new_model
     from rollout.file_commands import check, export_command, show_command
 
     app.command("new-model")(new_model)
+    app.command("export-model")(export_model)
     app.command("check")(check)
     app.command("export")(export_command)
     app.command("show")(show_command)

@@ -79,3 +79,27 @@ def new_model(
     )
     path = save_tiny_model(directory, config)
     console.print(f"wrote a random tiny Qwen2 model to {path}")
+
+
+def export_model(
+    adapter: Path = typer.Option(..., "--merge", help="A LoRA adapter directory (final/ or checkpoints/step-N/)."),
+    out: Path = typer.Argument(..., help="Where to write the merged model directory."),
+    dtype: str = typer.Option("float32", help="Weights' dtype in the merged model: float32, bfloat16 or float16."),
+) -> None:
+    """Merge a LoRA adapter into its base model (named in its adapter_config.json) and write a plain
+    model directory that SGLang, vLLM and every rallyrl command load as is."""
+    from rollout.adapters import AdapterError, export_merged, is_adapter_dir
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise _fail(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if not is_adapter_dir(adapter):
+        raise _fail(f"--merge {adapter}: not a LoRA adapter directory (no adapter_config.json)")
+    import torch
+
+    try:
+        path = export_merged(adapter, out, getattr(torch, dtype))
+    except AdapterError as exc:
+        raise _fail(f"--merge {adapter}: {exc}") from None
+    except OSError as exc:
+        raise _fail(f"{out}: {exc.strerror or exc}") from None
+    console.print(f"wrote the merged model to {path}")

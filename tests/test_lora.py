@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 from test_grpo import config, digit_share, run
 from transformers import AutoModelForCausalLM
@@ -157,3 +158,36 @@ def test_sft_with_lora_needs_a_base_model(tmp_path):
 
     with pytest.raises(ValueError, match="lora: needs `model`"):
         run_sft(SFTConfig(lora=LORA, out=str(tmp_path / "sft"), progress=False))
+
+
+@pytest.fixture(scope="module")
+def lora_final(tmp_path_factory, tiny_model_dir):
+    """final/ of a one-step LoRA run: an adapter directory."""
+    tmp_path = tmp_path_factory.mktemp("lora-run")
+    run(lora_trainer(tmp_path, tiny_model_dir, steps=1))
+    return tmp_path / "run" / "final"
+
+
+def test_export_model_merge_writes_a_model_directory(lora_final, tmp_path):
+    done = run_cli("export-model", "--merge", str(lora_final), str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote the merged model to {tmp_path / 'merged'}" in done.stdout + done.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(
+        logits(merged, ids), logits(AutoModelForCausalLM.from_pretrained(resolve_model(lora_final)), ids)
+    )
+
+
+def test_export_model_refuses_a_directory_that_is_no_adapter(tiny_model_dir, tmp_path):
+    done = run_cli("export-model", "--merge", str(tiny_model_dir), str(tmp_path / "merged"))
+    assert done.returncode == 2 and "not a LoRA adapter directory (no adapter_config.json)" in done.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+def test_rollout_takes_an_adapter_directory_as_its_model(lora_final, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    done = run_cli("rollout", "--model", str(lora_final), "--num-prompts", "2", "--max-new-tokens", "16",
+                   "--no-progress", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_bytes().splitlines()) == 2
