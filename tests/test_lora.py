@@ -191,3 +191,13 @@ def test_rollout_takes_an_adapter_directory_as_its_model(lora_final, tmp_path):
                    "--no-progress", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert len(out.read_bytes().splitlines()) == 2
+
+
+def test_async_training_with_lora_syncs_the_merged_adapter_every_step(tmp_path, tiny_model_dir):
+    trainer = lora_trainer(tmp_path, tiny_model_dir, steps=3, async_rl=True, max_staleness=1, checkpoint_every=0)
+    history = run(trainer)
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert trainer.engine.weight_version == 3
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(logits(trainer.engine.model, ids), logits(trainer.policy.language_model(), ids), atol=1e-4)
+    assert is_adapter_dir(tmp_path / "run" / "final")
