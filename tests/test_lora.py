@@ -201,3 +201,25 @@ def test_async_training_with_lora_syncs_the_merged_adapter_every_step(tmp_path, 
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(5))
     assert torch.allclose(logits(trainer.engine.model, ids), logits(trainer.policy.language_model(), ids), atol=1e-4)
     assert is_adapter_dir(tmp_path / "run" / "final")
+
+
+@pytest.mark.slow
+def test_train_with_lora_against_a_server_syncs_the_merged_weights(tmp_path):
+    from test_serve_processes import get_json, read_jsonl
+
+    from data.tiny_model import EMBEDDED_MODEL
+    from rollout.serve_process import serve_processes
+
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
+        out = tmp_path / "run"
+        trained = run_cli("train", "--steps", "2", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                          "--no-progress", "--set", "lora.rank=4", "--engine-url", server.url)  # fmt: skip
+        assert trained.returncode == 0, trained.stderr
+        assert get_json(f"{server.url}/get_model_info")["weight_version"] == "2"
+    assert trained.stderr.count("lora: the servers get the adapter merged into full weights") == 1
+    assert [m["rollout/weight_version"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    assert is_adapter_dir(out / "final")
+    synced = AutoModelForCausalLM.from_pretrained(out / "weights" / "v000002")  # what the server loaded
+    final = AutoModelForCausalLM.from_pretrained(resolve_model(out / "final"))
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(6))
+    assert torch.allclose(logits(synced, ids), logits(final, ids), atol=1e-5)

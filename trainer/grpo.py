@@ -135,6 +135,7 @@ class GRPOTrainer:
         self._step_began = self._engine_idle_began = 0.0  # the step clock: when the last step ended
         self.prompts = PromptStream(config)
         self.state = TrainerState()
+        self._said_merged = False  # (LoRA with servers: said once)
 
     @property
     def is_main(self) -> bool:
@@ -270,6 +271,9 @@ class GRPOTrainer:
         """The policy's weights to ``engine`` as ``version``. Servers are shared by every process,
         so the main process saves and syncs them while the others wait."""
         lm, state = self.policy.language_model(), self.policy.state_dict()  # (gathered by all under FSDP)
+        if self.config.lora is not None and isinstance(engine, LoadsWeightsFromDisk) and not self._said_merged:
+            self._said_merged = True
+            self.console.print("lora: the servers get the adapter merged into full weights at each sync")
         if not isinstance(engine, LoadsWeightsFromDisk):
             await sync_weights(engine, lm, state, self.tokenizer, self.out / "weights", version)
             return
