@@ -26,7 +26,10 @@ from trainer.config import LoRAConfig
 def apply_lora(lm: torch.nn.Module, config: LoRAConfig) -> Any:
     """``lm`` with a fresh adapter (peft's ``PeftModel``; ``lm`` itself now holds the LoRA layers).
     The base weights are frozen; a target module the model lacks is a ConfigError naming the field."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("lora: needs the peft package: pip install 'rallyrl[lora]'") from None
 
     if config.target_modules != "all-linear":
         names = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
