@@ -11,7 +11,8 @@ nothing downloads; on CPU one with Qwen2.5's vocabulary of 151,936 and a body of
 2 layers), a step's trajectories (sequences x tokens: a quarter prompt, then assistant, tool output
 and assistant again, so half the tokens are trained), the micro-batch token budget, and how
 logprobs are computed: ``unchunked`` (every position's logits at once, the computation before
-chunking), ``chunked`` or ``chunked+ckpt`` (with gradient checkpointing). It runs
+chunking), ``chunked`` or ``chunked+ckpt`` (with gradient checkpointing), or ``lora+ckpt`` (a
+rank-64 LoRA adapter on every linear layer, the base frozen in bf16 on CUDA). It runs
 ``Policy.update`` as ``rallyrl train`` does (float32 master weights, bf16 autocast on CUDA, AdamW)
 in a process of its own, so that its peak memory is its own: peak RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA (AdamW state included). Model-FLOPs utilisation (CUDA):
@@ -42,7 +43,10 @@ SHAPES = {  # Qwen2.5's published configs (vocabulary 151,936); "cpu-small" keep
                        num_key_value_heads=4, tie_word_embeddings=False),
 }  # fmt: skip
 VOCABULARY = 151_936
-MODES = ("unchunked", "chunked", "chunked+ckpt")
+MODES = ("unchunked", "chunked", "chunked+ckpt", "lora+ckpt")
+LORA_RANK = 64
+"""``lora+ckpt``: a LoRA adapter of this rank (alpha 2 x rank) on every linear layer, chunked logprobs
+and checkpointing; the frozen base in bf16 on CUDA (float32 on CPU), the adapter in float32."""
 ROWS = {
     "cpu": [
         "cpu-small,1x4096,32768,unchunked",
@@ -110,19 +114,24 @@ def measure(row: Row, repeats: int, chunk_tokens: int = 1024) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.config import GRPOConfig
+    from trainer.config import GRPOConfig, LoRAConfig
     from trainer.distributed import make_accelerator
     from trainer.policy import Policy
 
     cuda = torch.cuda.is_available()
     accelerator = make_accelerator()  # GRPOTrainer's
     config = Qwen2Config(vocab_size=VOCABULARY, max_position_embeddings=32768, **SHAPES[row.shape])
+    lora = None
+    if row.mode == "lora+ckpt":
+        lora = LoRAConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK, base_dtype="bfloat16" if cuda else "float32")
+    torch.set_default_dtype(torch.bfloat16 if lora is not None and cuda else torch.float32)  # (no fp32 copy first)
     with torch.device(accelerator.device):
         lm = Qwen2ForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
     train = GRPOConfig(
         micro_batch_size=row.sequences, micro_batch_tokens=row.micro_batch_tokens, progress=False,
         logprob_chunk_tokens=0 if row.mode == "unchunked" else chunk_tokens,
-        gradient_checkpointing=row.mode == "chunked+ckpt", packing=False,
+        gradient_checkpointing=row.mode.endswith("+ckpt"), packing=False, lora=lora,
     )  # fmt: skip
     policy = Policy(train, accelerator, lm, pad_id=0)
     samples = trajectories(row)
@@ -139,12 +148,14 @@ def measure(row: Row, repeats: int, chunk_tokens: int = 1024) -> dict:
             seconds.append(time.perf_counter() - started)
     tokens = row.sequences * row.tokens
     result = {"row": str(row), "parameters": parameters, "seconds": seconds, "tokens": tokens}
+    if lora is not None:
+        result["trainable"] = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         name = torch.cuda.get_device_name()
         result["device"] = name
         peak = next((flops for card, flops in PEAK_BF16.items() if card in name), None)
-        if peak and seconds:
+        if peak and seconds and lora is None:  # (LoRA computes no weight gradients of the base: not 6 x P)
             shape = SHAPES[row.shape]
             per_token = 6 * parameters + 6 * shape["num_hidden_layers"] * shape["hidden_size"] * row.tokens
             result["mfu"] = per_token * tokens / statistics.median(seconds) / peak
