@@ -1,12 +1,13 @@
-"""LoRA with peft: the ``lora:`` section of a training config, the adapter put on a base model,
-and the three forms the engines and the run directory take it in:
+"""LoRA with peft: the adapter put on a base model (``lora:`` of a training config, ``LoRAConfig`` in
+``trainer/config.py``), and the three forms the engines and the run directory take it in:
 
 - the adapter alone (peft's ``adapter_model.safetensors`` and ``adapter_config.json``, whose
   ``base_model_name_or_path`` names the base model directory), for checkpoints, ``final/`` and
   servers that load adapters at run time;
 - merged full weights under the model's own names (``W + scale * B @ A``), for in-process engines
   and servers that cannot load adapters;
-- a merged model directory (``export_merged``), which SGLang and vLLM load as any model.
+- a merged model directory (``rollout/adapters.py:export_merged``), which SGLang and vLLM load as
+  any model.
 
 Only the adapter's parameters train and have optimizer state; the KL reference is the base model
 with the adapter turned off (``Policy``), not a copy.
