@@ -35,7 +35,7 @@ def launch(processes: int, model_dir: Path, out: Path, mode: str = "sync") -> di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lora"])
 def test_two_process_update_equals_one_process_update(tmp_path, mode):
     # peaked logits, so that greedy rollouts do not hinge on float noise between batch shapes
     model_dir = save_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=64, num_layers=2,
@@ -51,5 +51,6 @@ def test_two_process_update_equals_one_process_update(tmp_path, mode):
     scale = max(float(g.abs().max()) for g in one["grads"].values())
     assert scale > 1e-3  # a real gradient, not float noise
     assert one["grads"].keys() == two["grads"].keys()
+    assert all(("lora_" in name) == (mode == "lora") for name in one["grads"])  # LoRA: the adapter's alone
     for name, grad in one["grads"].items():
         assert torch.allclose(grad, two["grads"][name], atol=1e-5 * scale, rtol=1e-4), name
