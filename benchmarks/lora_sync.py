@@ -10,7 +10,11 @@ code: nothing downloads), with a rank-``--rank`` adapter on every linear layer:
 - adapter: the adapter directory in peft's format (what a server's LoRA endpoint loads), bytes and
   seconds;
 - merge: seconds to compute the merged full weights (what an in-process engine, or a server
-  without adapter support, gets) and to load them into an engine's copy of the model.
+  without adapter support, gets) and to load them into an engine's copy of the model;
+- the in-process engine's two forms, per step: merged weights (the sync above, then decoding at the
+  base model's speed) or LoRA layers kept in the engine's copy (a sync copies the adapter's tensors;
+  every forward pays the adapter's matmuls): seconds per sync, per decoded token (greedy, a batch of
+  ``--batch`` prompts with a KV cache) and the decoded tokens per step above which merging wins.
 
 Prints a table; asserts nothing. Each figure is the median of ``--repeats``.
 """
@@ -38,7 +42,7 @@ def timed(function, repeats: int) -> tuple[float, object]:
     return statistics.median(seconds), result
 
 
-def measure(shape: str, rank: int, repeats: int) -> dict:
+def measure(shape: str, rank: int, repeats: int, batch: int, decode_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -82,12 +86,58 @@ def measure(shape: str, rank: int, repeats: int) -> dict:
             return directory
 
         adapter_s, adapter_dir = timed(adapter, repeats)
-        return {
+        forms = engine_forms(lm, peft, engine, merged, repeats, batch, decode_tokens)
+        return {**forms,
             "shape": shape, "rank": rank, "parameters": parameters, "adapter_parameters": adapter_parameters,
             "full_bytes": directory_bytes(full_dir), "full_s": full_s,
             "adapter_bytes": directory_bytes(adapter_dir), "adapter_s": adapter_s,
             "merge_s": merge_s, "engine_load_s": load_s,
         }  # fmt: skip
+
+
+def engine_forms(lm, peft, engine, merged: dict, repeats: int, batch: int, tokens: int) -> dict:
+    """Sync and decode seconds of an in-process engine holding merged weights (``engine``) or LoRA
+    layers (a copy of ``lm`` with its adapter, synced by copying the adapter's tensors)."""
+    import copy
+
+    import torch
+
+    layered = copy.deepcopy(lm).eval()
+    adapter = {n: p.detach().clone() for n, p in lm.named_parameters() if "lora_" in n}
+    targets = dict(layered.named_parameters())
+
+    @torch.no_grad()
+    def copy_adapter() -> None:
+        for name, value in adapter.items():
+            targets[name].copy_(value)
+
+    @torch.no_grad()
+    def decode(model) -> float:
+        """Seconds per decoded token: ``tokens`` greedy steps of a batch, KV cache on."""
+        ids = torch.randint(3, min(lm.config.vocab_size, 100), (batch, 32), generator=torch.Generator().manual_seed(0))
+        started = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        cache, last = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(tokens - 1):
+            out = model(input_ids=last, past_key_values=cache, use_cache=True)
+            cache, last = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return (time.perf_counter() - started) / tokens
+
+    engine.eval()
+    layers_sync_s, _ = timed(copy_adapter, repeats)
+    merged_token_s = statistics.median(decode(engine) for _ in range(repeats))
+    layers_token_s = statistics.median(decode(layered) for _ in range(repeats))
+    return {"batch": batch, "decode_tokens": tokens, "layers_sync_s": layers_sync_s,
+            "merged_token_s": merged_token_s, "layers_token_s": layers_token_s}  # fmt: skip
+
+
+def break_even(r: dict) -> str:
+    """Decoded tokens (forward passes) per step above which merged weights cost less than LoRA layers."""
+    extra_per_token = r["layers_token_s"] - r["merged_token_s"]
+    extra_sync = r["merge_s"] + r["engine_load_s"] - r["layers_sync_s"]
+    if extra_per_token <= 0:
+        return "never"
+    return f"{max(extra_sync, 0.0) / extra_per_token:,.0f}"
 
 
 def main() -> None:
@@ -97,6 +147,8 @@ def main() -> None:
     )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="prompts decoded together (the engine forms)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps timed (the engine forms)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     import torch
@@ -104,7 +156,7 @@ def main() -> None:
     from rich.table import Table
 
     torch.set_num_threads(2)
-    results = [measure(shape, args.rank, args.repeats) for shape in args.shapes]
+    results = [measure(shape, args.rank, args.repeats, args.batch, args.decode_tokens) for shape in args.shapes]
     table = Table(title=f"one weight sync, LoRA rank {args.rank} on every linear layer (CPU, median of {args.repeats})")
     for column in ("model", "parameters", "adapter", "full: bytes, s", "adapter: bytes, s", "bytes ratio",
                    "merge s", "engine load s"):  # fmt: skip
@@ -117,6 +169,17 @@ def main() -> None:
             f"{r['adapter_bytes'] / r['full_bytes']:.2%}", f"{r['merge_s']:.3f}", f"{r['engine_load_s']:.3f}",
         )  # fmt: skip
     Console(width=160).print(table)
+    forms = Table(title=f"the in-process engine: merged weights or LoRA layers (batch {args.batch}, "
+                        f"{args.decode_tokens} greedy tokens)")  # fmt: skip
+    for column in ("model", "merged: sync s", "layers: sync s", "merged: ms/token", "layers: ms/token",
+                   "merging wins above (forwards/step)"):  # fmt: skip
+        forms.add_column(column, justify="right")
+    for r in results:
+        forms.add_row(
+            r["shape"], f"{r['merge_s'] + r['engine_load_s']:.3f}", f"{r['layers_sync_s']:.4f}",
+            f"{1000 * r['merged_token_s']:.2f}", f"{1000 * r['layers_token_s']:.2f}", break_even(r),
+        )  # fmt: skip
+    Console(width=160).print(forms)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

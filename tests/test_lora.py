@@ -223,3 +223,25 @@ def test_train_with_lora_against_a_server_syncs_the_merged_weights(tmp_path):
     final = AutoModelForCausalLM.from_pretrained(resolve_model(out / "final"))
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(6))
     assert torch.allclose(logits(synced, ids), logits(final, ids), atol=1e-5)
+
+
+def test_an_agent_trains_the_adapter_through_the_gateway(tmp_path, tiny_model_dir):
+    settings = config(tmp_path, tiny_model_dir, lora=LORA, agent="tests.test_gateway:one_call_agent", steps=2,
+                      checkpoint_every=0)  # fmt: skip
+    trainer = GRPOTrainer(settings)
+    lm = trainer.policy.language_model()
+    before = {name: p.detach().clone() for name, p in lm.named_parameters()}
+    history = run(trainer)
+    assert trainer.agent is not None and trainer.agent.gateway.counters["sessions_finished"] >= 16
+    assert all(m["rollout/error_rate"] == 0 and m["train/tokens"] > 0 for m in history)
+    changed = {name for name, p in lm.named_parameters() if not torch.equal(before[name], p)}
+    assert changed and all("lora_B" in name or "lora_A" in name for name in changed)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(7))
+    assert trainer.engine.weight_version == 2
+    assert torch.allclose(logits(trainer.engine.model, ids), logits(lm, ids), atol=1e-4)
+
+
+def test_lora_under_fsdp_is_refused_naming_data_parallel(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("trainer.policy.is_fsdp", lambda accelerator: True)
+    with pytest.raises(ConfigError, match=r"not with FSDP.*without --use_fsdp"):
+        lora_trainer(tmp_path, tiny_model_dir)

@@ -24,7 +24,8 @@ from rollout.engines.base import EngineError, FlushesCache, LoadsWeightsFromDisk
 from rollout.engines.config import PoolConfig, SGLangHTTPConfig
 from rollout.engines.pool import EnginePool, ServerUnavailableError, detect_server, open_servers
 from rollout.engines.sglang_http import SGLangHTTPEngine
-from rollout.engines.vllm_http import VLLMHTTPEngine, logprobs_problem, tied_lm_head_view
+from rollout.engines.vllm_http import VLLMHTTPEngine
+from rollout.engines.vllm_protocol import logprobs_problem, tied_lm_head_view
 
 MODEL = "/models/qwen"
 PROMPT = [11, 12, 13]
@@ -76,8 +77,10 @@ class FakeVLLM:
     awaitables awaited). ``dev`` serves the development endpoints (VLLM_SERVER_DEV_MODE=1)."""
 
     def __init__(self, on_complete: Callable[[dict, int], Any] | None = None, *, dev: bool = True,
-                 logprobs_mode: str = "processed_logprobs", device: str = "cpu", max_model_len: int = 64):  # fmt: skip
+                 logprobs_mode: str = "processed_logprobs", device: str = "cpu", max_model_len: int = 64,
+                 lora_config: dict | None = None, env: dict | None = None):  # fmt: skip
         self.on_complete = on_complete or (lambda body, n: completion([5, 6, 2]))
+        self.lora_config, self.env = lora_config, env or {}
         self.dev, self.logprobs_mode, self.device, self.max_model_len = dev, logprobs_mode, device, max_model_len
         self.control: dict[str, Callable[[Any], Any]] = {}
         self.requests: list[tuple[str, str, Any]] = []  # (method, path with query, JSON body or None)
@@ -110,8 +113,9 @@ class FakeVLLM:
         elif request.path == "/version":
             answer = {"version": "0.32.0"}
         elif request.path == "/server_info":
-            config = {"model_config": {"logprobs_mode": self.logprobs_mode}, "device_config": {"device": self.device}}
-            answer = {"vllm_config": config, "vllm_env": {}, "system_env": {}}
+            config = {"model_config": {"logprobs_mode": self.logprobs_mode}, "device_config": {"device": self.device},
+                      "lora_config": self.lora_config}  # fmt: skip
+            answer = {"vllm_config": config, "vllm_env": self.env, "system_env": {}}
         elif request.path == "/weight_info":
             answer = {"weight_version": self.weight_version}
         elif request.path == "/update_weight_version":
@@ -119,6 +123,8 @@ class FakeVLLM:
             answer = {"success": True, "new_version": body["new_version"]}
         elif request.path == "/reset_prefix_cache":
             answer = {"success": True}
+        elif request.path.endswith("_lora_adapter") and self.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            answer = web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' done.")
         elif request.path in ("/health", "/collective_rpc"):
             answer = web.Response()
         elif request.path in ("/pause", "/resume", "/abort_requests"):

@@ -24,6 +24,7 @@ KLEstimator = Literal["k1", "k3"]
 
 
 LORA_BASE_DTYPES = ("float32", "bfloat16", "float16")
+LORA_SYNCS = ("auto", "adapter", "merged")
 
 
 @dataclass
@@ -44,6 +45,12 @@ class LoRAConfig:
     The adapter trains in float32."""
     exclude: list[str] = field(default_factory=list)
     """Module names never adapted (e.g. a vision tower)."""
+    sync: str = "auto"
+    """How servers (``--engine-url``) get each version: ``adapter`` (the adapter alone, loaded by the
+    server's LoRA endpoint; an error before the first rollout where it cannot), ``merged`` (full
+    weights with the adapter merged in) or ``auto`` (the adapter where the server can load it, merged
+    weights where its engine cannot load adapters at all, e.g. SGLang on CPU; a server that only
+    lacks a flag is still an error). In-process engines always get merged weights."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -56,6 +63,8 @@ class LoRAConfig:
             raise ConfigError(f"lora.base_dtype must be one of {list(LORA_BASE_DTYPES)}, got {self.base_dtype!r}")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             self.target_modules = [self.target_modules]
+        if self.sync not in LORA_SYNCS:
+            raise ConfigError(f"lora.sync must be one of {list(LORA_SYNCS)}, got {self.sync!r}")
         if not self.target_modules:
             raise ConfigError("lora.target_modules is empty: name modules (q_proj, v_proj, ...) or all-linear")
 

