@@ -43,24 +43,25 @@ async def test_a_vllm_adapter_sync_loads_a_new_name_per_version_requests_name_it
     server = lora_vllm()
     async with server.running() as url, VLLMHTTPEngine(url, FAST) as engine:
         assert isinstance(engine, LoadsAdapters)
+        engine.adapter_tag = "t"
         await engine.generate(PROMPT, sampling(), "base")
         assert await engine.sync_adapter_from_disk("/runs/w/v000001", 1) == 1
         first = await engine.generate(PROMPT, sampling(), "after-1")
         await engine.sync_adapter_from_disk("/runs/w/v000002", 2)
         second = await engine.generate(PROMPT, sampling(), "after-2")
         await engine.finish_unloads()
-    assert [body["model"] for body in server.completions] == ["/models/qwen", "rallyrl-v1", "rallyrl-v2"]
+    assert [body["model"] for body in server.completions] == ["/models/qwen", "rallyrl-v1-t", "rallyrl-v2-t"]
     assert (first.weight_version, second.weight_version, server.weight_version) == (1, 2, "2")
     assert sync_calls(server) == [
         ("/pause?mode=abort", None),
-        ("/v1/load_lora_adapter", {"lora_name": "rallyrl-v1", "lora_path": "/runs/w/v000001"}),
+        ("/v1/load_lora_adapter", {"lora_name": "rallyrl-v1-t", "lora_path": "/runs/w/v000001"}),
         ("/update_weight_version", {"new_version": "1"}),
         ("/resume", None),
         ("/pause?mode=abort", None),
-        ("/v1/load_lora_adapter", {"lora_name": "rallyrl-v2", "lora_path": "/runs/w/v000002"}),
+        ("/v1/load_lora_adapter", {"lora_name": "rallyrl-v2-t", "lora_path": "/runs/w/v000002"}),
         ("/update_weight_version", {"new_version": "2"}),
         ("/resume", None),
-        ("/v1/unload_lora_adapter", {"lora_name": "rallyrl-v1"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "rallyrl-v1-t"}),
     ]
 
 
@@ -74,19 +75,20 @@ async def test_the_old_adapter_is_unloaded_only_once_no_request_names_it():
 
     server = lora_vllm(on_complete=slow_then_fast)
     async with server.running() as url, VLLMHTTPEngine(url, FAST) as engine:
+        engine.adapter_tag = "t"
         await engine.sync_adapter_from_disk("/w/v1", 1)
         slow = asyncio.create_task(engine.generate(PROMPT, sampling(), "slow"))
         await wait_until(lambda: len(server.completions) == 1)
         await engine.sync_adapter_from_disk("/w/v2", 2)  # (the double's pause aborts nothing)
         await asyncio.sleep(0.05)
         unloads = [body for _, path, body in server.requests if path == "/v1/unload_lora_adapter"]
-        assert unloads == []  # "slow" still runs on rallyrl-v1
+        assert unloads == []  # "slow" still runs on rallyrl-v1-t
         release.set()
         generation = await slow
         await engine.finish_unloads()
-    assert generation.weight_version == 1 and server.completions[0]["model"] == "rallyrl-v1"
+    assert generation.weight_version == 1 and server.completions[0]["model"] == "rallyrl-v1-t"
     assert [body for _, path, body in server.requests if path == "/v1/unload_lora_adapter"] == [
-        {"lora_name": "rallyrl-v1"}
+        {"lora_name": "rallyrl-v1-t"}
     ]
 
 
@@ -156,22 +158,23 @@ def test_what_an_sglang_server_can_load_follows_its_server_info(info, ready, imp
 async def test_an_sglang_adapter_sync_pauses_loads_names_it_in_lora_path_and_unloads_the_old_one():
     server = FakeSGLang()
     async with server.running() as url, SGLangHTTPEngine(url, sglang_config()) as engine:
+        engine.adapter_tag = "t"
         await engine.sync_adapter_from_disk("/w/v1", 1)
         await engine.generate(PROMPT, sampling(), "a")
         await engine.sync_adapter_from_disk("/w/v2", 2)
         await engine.generate(PROMPT, sampling(), "b")
         await engine.finish_unloads()
-    assert [body.get("lora_path") for body in server.generates] == ["rallyrl-v1", "rallyrl-v2"]
+    assert [body.get("lora_path") for body in server.generates] == ["rallyrl-v1-t", "rallyrl-v2-t"]
     assert sync_calls(server) == [
         ("/pause_generation", {"mode": "abort"}),
-        ("/load_lora_adapter", {"lora_name": "rallyrl-v1", "lora_path": "/w/v1"}),
+        ("/load_lora_adapter", {"lora_name": "rallyrl-v1-t", "lora_path": "/w/v1"}),
         ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
         ("/continue_generation", {}),
         ("/pause_generation", {"mode": "abort"}),
-        ("/load_lora_adapter", {"lora_name": "rallyrl-v2", "lora_path": "/w/v2"}),
+        ("/load_lora_adapter", {"lora_name": "rallyrl-v2-t", "lora_path": "/w/v2"}),
         ("/update_weight_version", {"new_version": "2", "abort_all_requests": False}),
         ("/continue_generation", {}),
-        ("/unload_lora_adapter", {"lora_name": "rallyrl-v1"}),
+        ("/unload_lora_adapter", {"lora_name": "rallyrl-v1-t"}),
     ]
 
 
@@ -189,14 +192,16 @@ async def test_a_pool_syncs_the_adapter_on_every_server_and_a_server_that_comes_
     async with first.running() as url_a, second.running() as url_b:
         pool = EnginePool([url_a, url_b], PoolConfig(health_interval_s=0.02, client=FAST), server="vllm")
         async with pool:
+            for server in pool.servers:
+                server.engine.adapter_tag = "t"
             assert (await pool.adapter_support(8, ["q_proj"])).ready
             await pool.sync_adapter_from_disk("/w/v1", 1)
             pool._eject(pool.servers[1], "test: it restarted")
             await wait_until(lambda: pool.servers[1].healthy)
     loads = [[body for _, path, body in s.requests if path == "/v1/load_lora_adapter"] for s in (first, second)]
-    assert loads[0] == [{"lora_name": "rallyrl-v1", "lora_path": "/w/v1"}]
-    assert loads[1] == [{"lora_name": "rallyrl-v1", "lora_path": "/w/v1"},
-                        {"lora_name": "rallyrl-v1.2", "lora_path": "/w/v1"}]  # fmt: skip
+    assert loads[0] == [{"lora_name": "rallyrl-v1-t", "lora_path": "/w/v1"}]
+    assert loads[1] == [{"lora_name": "rallyrl-v1-t", "lora_path": "/w/v1"},
+                        {"lora_name": "rallyrl-v1-t.2", "lora_path": "/w/v1"}]  # fmt: skip
 
 
 class Servers:

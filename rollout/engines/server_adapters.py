@@ -2,7 +2,9 @@
 
 A training run with ``lora:`` syncs the adapter alone (a few MiB) instead of the merged model: the
 trainer writes it in peft's format (``out/weights/v{N}``, atomically) and each server loads it
-through its own endpoint under a new name per version (``rallyrl-v{N}``); from then on every
+through its own endpoint under a new name per version (``rallyrl-v{N}-{tag}``, the tag this
+client's own, so that a second run against the same server, or a resumed one, never collides with
+names an earlier run left loaded); from then on every
 request this client sends names it (vLLM: the request's ``model``; SGLang: ``lora_path``). The
 version before is unloaded once no request of this client uses it. A sync is one pause of the
 server (as a weight sync): requests in flight are aborted and resumed by the clients on the new
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -116,6 +119,7 @@ class ServesAdapters:
 
     def _init_adapters(self) -> None:
         self.adapter: str | None = None  # the adapter requests name; None: the base model
+        self.adapter_tag = uuid.uuid4().hex[:8]  # this client's part of every adapter name
         self._adapter_uses: Counter[str] = Counter()  # name -> attempts in flight naming it
         self._retired: set[str] = set()  # names replaced, unloaded once unused
         self._unloads: set[asyncio.Task[None]] = set()
@@ -163,11 +167,11 @@ class ServesAdapters:
         """Load the adapter at ``adapter_path`` (peft's format, a directory the server can read) under
         a new name and make it the one requests name, as ``weight_version``; generation is not paused
         (``sync_adapter_from_disk`` does)."""
-        name = f"{ADAPTER_PREFIX}{weight_version}"
+        name = f"{ADAPTER_PREFIX}{weight_version}-{self.adapter_tag}"
         suffix = 1
         while name in self._adapter_names:  # the same version again (a server that came back)
             suffix += 1
-            name = f"{ADAPTER_PREFIX}{weight_version}.{suffix}"
+            name = f"{ADAPTER_PREFIX}{weight_version}-{self.adapter_tag}.{suffix}"
         await self._load_adapter(name, str(adapter_path))
         self._adapter_names.add(name)
         old, self.adapter = self.adapter, name
