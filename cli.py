@@ -111,7 +111,8 @@ def rollout(
     temperature: float = typer.Option(None, help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(None, help="Nucleus sampling cut."),
     top_k: int = typer.Option(None, help="Top-k cut (-1: none)."),
-    tool_parser: str = typer.Option(None, help="Tool-call parser (qwen25, ...)."),
+    tool_parser: str = typer.Option(None, help="Tool-call parser, SGLang's names (qwen25, qwen3_coder, llama3, ...)."),
+    reasoning_parser: str = typer.Option(None, help="Reasoning parser, SGLang's names (none, qwen3, ...)."),
     seed: int = typer.Option(None, help="Seed of the task's prompts and of the engine's sampling."),
     device: str = typer.Option(None, help='Embedded engine device: "auto", "cpu" or "cuda".'),
     engine_url: list[str] = typer.Option(None, help="SGLang, vLLM or `rallyrl serve` server URL; repeat for a pool."),
@@ -136,7 +137,8 @@ def rollout(
         "rollout.max_turns": max_turns, "rollout.max_new_tokens": max_new_tokens,
         "rollout.max_response_tokens": max_response_tokens, "rollout.max_model_len": max_model_len,
         "rollout.temperature": temperature, "rollout.top_p": top_p, "rollout.top_k": top_k,
-        "rollout.tool_parser": tool_parser, "engine.local.device": device, "engine.urls": engine_url or None,
+        "rollout.tool_parser": tool_parser, "rollout.reasoning_parser": reasoning_parser,
+        "engine.local.device": device, "engine.urls": engine_url or None,
         "engine.server": engine_server, "engine.kind": engine, "judge.url": judge_url,
         "judge.max_concurrency": judge_concurrency,
     }  # fmt: skip
@@ -335,6 +337,7 @@ def serve(
     seed: int = typer.Option(None, help="Seed of the sampling generator."),
     served_model_name: str = typer.Option(None, help="Model name in the OpenAI API."),
     tool_parser: str = typer.Option(None, help="Tool-call parser of /v1/chat/completions (default qwen25)."),
+    reasoning_parser: str = typer.Option(None, help="Reasoning parser of /v1/chat/completions (default none)."),
     api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
     fault_error_rate: float = typer.Option(None, help="Testing: share of /generate calls answered HTTP 500."),
     fault_hang_rate: float = typer.Option(None, help="Testing: share of /generate calls held open unanswered."),
@@ -347,7 +350,8 @@ def serve(
     flags = {
         "model": model, "host": host, "port": port, "engine.max_batch_size": max_batch_size,
         "engine.max_model_len": max_model_len, "engine.device": device, "seed": seed,
-        "served_model_name": served_model_name, "tool_parser": tool_parser, "api_key": api_key,
+        "served_model_name": served_model_name, "tool_parser": tool_parser,
+        "reasoning_parser": reasoning_parser, "api_key": api_key,
         "faults.error_rate": fault_error_rate, "faults.hang_rate": fault_hang_rate,
         "faults.drop_rate": fault_drop_rate, "faults.seed": fault_seed, "threads": threads,
     }  # fmt: skip

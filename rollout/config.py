@@ -48,8 +48,14 @@ class RolloutConfig:
 
     # --- tools ---
     tool_parser: str = "qwen25"
-    """Parser of the model's tool calls (a name in ``rollout.parsers.PARSERS``: qwen25/hermes
-    ``<tool_call>{json}</tool_call>``, ...)."""
+    """Parser of the model's tool calls, SGLang's ``--tool-call-parser`` names: qwen25/hermes
+    (``<tool_call>{json}</tool_call>``), qwen3_coder, llama3, mistral, deepseekv3, deepseekv31,
+    gpt-oss, kimi_k2, glm45 (``rollout/tool_parsers/``)."""
+    reasoning_parser: str = "none"
+    """Splits each assistant turn into reasoning and content, SGLang's ``--reasoning-parser`` names:
+    none, qwen3, qwen3-thinking, deepseek-r1, deepseek-v3, glm45, kimi, gpt-oss, mistral
+    (``rollout/reasoning.py``). Rewards, answers and tool calls read the content; the tokens stay as
+    generated."""
     max_parallel_calls: int = 4
     """Most tool calls executed per turn; further calls in that turn are answered with an error."""
     tool_timeout_s: float = 30.0
@@ -92,8 +98,10 @@ class RolloutConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p}")
         from rollout.parsers import get_parser
+        from rollout.reasoning import get_reasoning_format
 
         get_parser(self.tool_parser)  # an unknown name fails here, not in every request
+        get_reasoning_format(self.reasoning_parser)
 
 
 @dataclass
@@ -317,7 +325,10 @@ class ServeConfig(CommonConfig):
     served_model_name: str | None = None
     """Model name in the OpenAI API (default: the model directory's name)."""
     tool_parser: str = "qwen25"
-    """Parser of tool calls in /v1/chat/completions."""
+    """Parser of tool calls in /v1/chat/completions (``RolloutConfig.tool_parser``'s names)."""
+    reasoning_parser: str = "none"
+    """Splits /v1/chat/completions answers into ``reasoning_content`` and ``content``
+    (``RolloutConfig.reasoning_parser``'s names)."""
     api_key: str | None = None
     """Require ``Authorization: Bearer <key>`` on every request."""
     engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
@@ -330,8 +341,10 @@ class ServeConfig(CommonConfig):
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         from rollout.parsers import get_parser
+        from rollout.reasoning import get_reasoning_format
 
         get_parser(self.tool_parser)
+        get_reasoning_format(self.reasoning_parser)
 
 
 @dataclass

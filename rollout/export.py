@@ -54,6 +54,7 @@ SCHEMA = pa.schema(
         ("interaction_turns", pa.string()),  # JSON text: a list of InteractionTurn objects (null: an older file)
         ("metrics", pa.string()),  # JSON text: RequestMetrics
         ("consistency_diff", pa.string()),
+        ("history_rewrite", pa.string()),  # null: none declared (the trajectory then has no such key)
         ("segments", pa.string()),  # JSON text: a list of Segment objects (null: an older file)
         ("trace", pa.list_(pa.struct([("state", pa.string()), ("t", pa.float64())]))),
         ("trace_start", pa.float64()),
@@ -61,7 +62,7 @@ SCHEMA = pa.schema(
     ]
 )
 JSON_COLUMNS = ("messages", "rewards", "tool_calls", "interaction_turns", "metrics", "segments")
-OPTIONAL_COLUMNS = ("interaction_turns", "segments")
+OPTIONAL_COLUMNS = ("interaction_turns", "segments", "history_rewrite")
 """Columns a trajectory written before them lacks: null in the row, left out of the record read back."""
 BATCH_SIZE = 1024
 """Trajectories converted (and held in memory) at a time."""
@@ -75,7 +76,7 @@ def trajectory_row(record: dict[str, Any]) -> dict[str, Any]:
     """One JSONL trajectory as a parquet row of ``SCHEMA`` (free-form fields as JSON text).
     A ValueError names the field that does not fit."""
     validate_trajectory(record)
-    for name in ("ground_truth", "error", "data_source", "consistency_diff"):
+    for name in ("ground_truth", "error", "data_source", "consistency_diff", "history_rewrite"):
         if record.get(name) is not None and not isinstance(record[name], str):
             raise ValueError(f"{name}: expected a string or null, got {type(record[name]).__name__}")
     for i, event in enumerate(record["trace"]):

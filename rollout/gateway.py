@@ -392,7 +392,7 @@ class _Call:
                                "engine_aborted")  # fmt: skip
         text = self.plan.chat.assistant_text(generation.output_ids)
         shown = _cut_at_stop(text, generation)
-        message = answer_message(shown, self.parser)
+        message = answer_message(shown, self.parser, self.session.config.reasoning_parser, self.plan.chat.tools)
         split = len(self.session.request.segments)
         self.session.commit(self.plan, generation, message)
         self.gateway.counters["calls"] += 1
@@ -445,8 +445,8 @@ class _Call:
                     if isinstance(chunk, Generation):
                         generation = chunk
                         break
-                    if self.parser is not None:
-                        continue
+                    if self.parser is not None or self.session.config.reasoning_parser != "none":
+                        continue  # parsed from the whole answer
                     text = self._partial_text(chunk)
                     visible = text[: len(text) - hold] if hold else text
                     if len(visible) > len(sent) and visible.startswith(sent):
@@ -466,7 +466,9 @@ class _Call:
             await send_event(response, "[DONE]")
             return response
         content = message.get("content") or ""
-        if self.parser is None:
+        if message.get("reasoning_content"):
+            await send_event(response, self._chunk({"reasoning_content": message["reasoning_content"]}))
+        if self.parser is None and "reasoning_content" not in message:
             rest = content[len(sent) :] if content.startswith(sent) else ""
             if rest:
                 await send_event(response, self._chunk({"content": rest}))

@@ -31,8 +31,10 @@ from typing import Any
 
 from rollout.config import RolloutConfig
 from rollout.engines.base import Generation, SamplingParams
+from rollout.history import assistant_message, check_history, reasoning_token_count
 from rollout.loop import turn_seed
 from rollout.parsers import get_parser
+from rollout.reasoning import get_reasoning_format
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, Segment, ToolCallRecord
 from rollout.server_http import BadRequest
 from rollout.server_openai import sampling_numbers, template_message
@@ -131,7 +133,7 @@ class GatewaySession:
             raise CallRefused(f"the session has had its {config.max_turns} assistant turns (rollout.max_turns)",
                               FinishReason.MAX_TURNS, "max_turns_exceeded")  # fmt: skip
         canonicals = [canonical(m, i) for i, m in enumerate(raw_messages)]
-        messages = [template_message(m, i) for i, m in enumerate(raw_messages)]
+        messages = [template_message(m, i, self.config.tool_parser) for i, m in enumerate(raw_messages)]
         reason = self._split_reason(canonicals, tools_key)
         if reason is None:
             assert self._expected is not None
@@ -215,15 +217,20 @@ class GatewaySession:
             assert plan.appended is not None and plan.delta is not None
             self._tool_results(plan.appended, plan.answered or [])
             request.messages += plan.appended
-            request.append_context(chat.assistant_close_ids(self._last_output) + plan.delta[1])
-            chat.add_context(self.transcript, self._last_output, plan.delta)
+            delta = chat.delta_after(self._last_output, plan.delta)
+            request.append_context(chat.assistant_close_ids(self._last_output) + delta[1])
+            chat.add_context(self.transcript, self._last_output, delta)
         output = generation.output_ids
         if output:
             request.metrics.turns += 1
             self._sample_turns += 1
             request.append_generated(output, generation.output_logprobs, generation.token_weight_versions())
             text = chat.assistant_text(output)
-            request.messages.append({"role": "assistant", "content": text})
+            reasoning = get_reasoning_format(self.config.reasoning_parser)
+            message, split = assistant_message(text, reasoning)
+            request.messages.append(message)
+            request.assistant_texts.append(text)
+            request.metrics.reasoning_tokens += reasoning_token_count(chat, output, split, reasoning)
             chat.add_output(self.transcript, output, text)
         # an answer with no tokens (cannot be extended token-exactly): a call that sends it back starts anew
         self._expected = [*plan.canonicals, canonical(answer, len(plan.canonicals))] if output else plan.canonicals
@@ -244,6 +251,7 @@ class GatewaySession:
         request.prompt_ids = plan.input_ids
         request.response_ids, request.loss_mask, request.logprobs, request.weight_versions = [], [], [], []
         request.messages = [dict(m) for m in plan.messages]
+        request.assistant_texts = []
         self.chat, self._tools_key = plan.chat, plan.tools_key
         self.transcript = plan.chat.transcript(plan.prompt_text, plan.input_ids)
         self._sample_turns = 0
@@ -259,11 +267,15 @@ class GatewaySession:
         """The consistency check of the current sample (None: its tokens are the template's)."""
         if self.chat is None or not self.request.prompt_ids or not self.config.check_consistency:
             return None
+        request = self.request
         try:
-            report = self.chat.check_consistency(self.request.messages, self.request.all_ids, self.transcript)
+            reasoning = get_reasoning_format(self.config.reasoning_parser)
+            diff, rewrite = check_history(self.chat, request.messages, request.all_ids, request.assistant_texts,
+                                          reasoning, self.transcript)  # fmt: skip
         except Exception as exc:  # a message the template or tokenizer cannot take
             return f"the consistency check failed: {type(exc).__name__}: {exc}"
-        return None if report.ok else report.diff
+        request.history_rewrite = rewrite or request.history_rewrite
+        return diff
 
     def _tool_results(self, appended: list[dict[str, Any]], answered: list[str | None]) -> None:
         """Tool messages answering the calls the gateway returned become the request's tool call records,
@@ -303,13 +315,20 @@ def new_session_id() -> str:
     return f"sess-{uuid.uuid4().hex}"
 
 
-def answer_message(text: str, parser_name: str | None) -> dict[str, Any]:
-    """The OpenAI assistant message of an answer's text, its tool calls parsed (when the request gave
-    tools) into ``tool_calls``."""
+def answer_message(text: str, parser_name: str | None, reasoning_name: str = "none",
+                   tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The OpenAI assistant message of an answer's text: its reasoning (with a reasoning parser) in
+    ``reasoning_content``, its tool calls parsed (when the request gave tools) into ``tool_calls``,
+    as SGLang answers with the same ``--reasoning-parser`` and ``--tool-call-parser``."""
+    reasoning = get_reasoning_format(reasoning_name)
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        split = reasoning.split(text)
+        text = split.content
+        message = {"role": "assistant", "content": text, "reasoning_content": split.reasoning}
     if parser_name is None:
         return message
-    turn = get_parser(parser_name)(text)
+    turn = get_parser(parser_name, tools)(text)
     calls = [call for call in turn.calls if call.error is None]
     if not calls:
         return message

@@ -12,7 +12,6 @@ started interaction instance is finalized exactly once.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -20,27 +19,19 @@ from typing import Any
 
 import orjson
 
-from data.reward_fns import RewardFn, final_answer_text
-from data.rewards import score_answer
+from data.reward_fns import RewardFn
 from data.text import truncate_middle, valid_text
 from rollout.config import RolloutConfig
 from rollout.deadlines import timeout_after, within
 from rollout.engines.base import Engine, SamplingParams
+from rollout.history import assistant_message, reasoning_token_count
 from rollout.parsers import ToolCall, get_parser
+from rollout.reasoning import ReasoningSplit, get_reasoning_format
 from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, RequestState, ToolCallRecord
+from rollout.scoring import default_reward, describe_error, interaction_name, note_error, score_request
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
 from tools.base import BaseTool, ToolError, ToolResponse
-
-
-def default_reward(request: AsyncRolloutRequest) -> float:
-    """The graded final answer when the record has a ground truth, else the interaction's score
-    when there was one, else the tools' rewards."""
-    if request.rewards.answer is not None:
-        return request.rewards.answer
-    if request.rewards.interaction is not None:
-        return request.rewards.interaction
-    return sum(request.rewards.tools.values())
 
 
 @dataclass
@@ -96,7 +87,7 @@ async def run_request(
             try:
                 instance_id = await within(tool.create(None, **create_kwargs), config.tool_reward_timeout_s)
             except Exception as exc:
-                raise ToolCreateError(f"create of tool {name} failed: {_describe(exc)}") from exc
+                raise ToolCreateError(f"create of tool {name} failed: {describe_error(exc)}") from exc
             created.append((tool, instance_id))
             request.tool_instance_ids[name] = instance_id
         user = user_turns_for(request, interactions)
@@ -106,7 +97,8 @@ async def run_request(
                     user.interaction.start_interaction(None, **user.kwargs), config.tool_reward_timeout_s
                 )
             except Exception as exc:
-                raise ToolCreateError(f"start_interaction of {_name(user)} failed: {_describe(exc)}") from exc
+                what = f"start_interaction of {interaction_name(user)}"
+                raise ToolCreateError(f"{what} failed: {describe_error(exc)}") from exc
         prompt_text, request.prompt_ids = chat.prompt(request.messages)
         transcript = chat.transcript(prompt_text, request.prompt_ids)
         request.transition(RequestState.RUNNING)
@@ -138,16 +130,6 @@ class InteractionError(RuntimeError):
     """The interaction failed or timed out producing the user's turn: the request ends with this error."""
 
 
-def _name(user: UserTurns) -> str:
-    return f"interaction {getattr(user.interaction, 'name', type(user.interaction).__name__)}"
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}"
-
-
 async def _converse(
     request: AsyncRolloutRequest,
     engine: Engine,
@@ -159,7 +141,9 @@ async def _converse(
 ) -> None:
     """RUNNING <-> TOOL_CALLING (and INTERACTING, with a user) until the model stops calling tools
     and the user (if any) ends the conversation, or a budget runs out."""
-    parser = get_parser(config.tool_parser)
+    parser = get_parser(config.tool_parser, chat.tools)
+    reasoning = get_reasoning_format(config.reasoning_parser)
+    split: ReasoningSplit | None = None
     sampling: SamplingParams | None = None
     while True:
         budget = min(config.max_new_tokens, config.max_model_len - len(request.prompt_ids) - len(request.response_ids))
@@ -185,15 +169,19 @@ async def _converse(
                 generation.output_ids, generation.output_logprobs, generation.token_weight_versions()
             )
             text = chat.assistant_text(generation.output_ids)
-            request.messages.append({"role": "assistant", "content": text})
+            message, split = assistant_message(text, reasoning)  # reasoning beside content, tokens as generated
+            request.messages.append(message)
+            request.assistant_texts.append(text)
+            request.metrics.reasoning_tokens += reasoning_token_count(chat, generation.output_ids, split, reasoning)
             chat.add_output(transcript, generation.output_ids, text)
         if generation.finish_reason == "abort":
             request.finish(FinishReason.ABORT, "aborted by the engine")
             return
         if generation.finish_reason == "length" or not generation.output_ids:
+            request.metrics.truncated_in_reasoning = bool(generation.output_ids and split and split.truncated)
             request.finish(FinishReason.LENGTH)
             return
-        turn = parser(text)
+        turn = parser(message["content"])
         if not turn.calls and user is None:
             request.finish(FinishReason.STOP)
             return
@@ -217,7 +205,7 @@ async def _converse(
             records = await _call_tools(request, turn.calls, tools, config)
             new_messages = [{"role": "tool", "content": record.text} for record in records]
         request.messages += new_messages
-        delta = chat.delta(new_messages)
+        delta = chat.delta_after(generation.output_ids, chat.delta(new_messages))
         request.append_context(chat.assistant_close_ids(generation.output_ids) + delta[1])
         chat.add_context(transcript, generation.output_ids, delta)
         request.transition(RequestState.RUNNING)
@@ -299,13 +287,13 @@ async def _user_turn(request: AsyncRolloutRequest, user: UserTurns, config: Roll
             config.interaction_timeout_s,
         )
     except TimeoutError:
-        raise InteractionError(f"{_name(user)} timed out after {config.interaction_timeout_s:g} s") from None
+        raise InteractionError(f"{interaction_name(user)} timed out after {config.interaction_timeout_s:g} s") from None
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # this request is being cancelled
             raise
-        raise InteractionError(f"{_name(user)} failed: it raised CancelledError") from None
+        raise InteractionError(f"{interaction_name(user)} failed: it raised CancelledError") from None
     except Exception as exc:
-        raise InteractionError(f"{_name(user)} failed: {type(exc).__name__}: {exc}") from exc
+        raise InteractionError(f"{interaction_name(user)} failed: {type(exc).__name__}: {exc}") from exc
     try:
         should_terminate, text, score, metadata = response
         score = float(score)
@@ -313,7 +301,7 @@ async def _user_turn(request: AsyncRolloutRequest, user: UserTurns, config: Roll
             raise ValueError(f"the turn score {score} is not a finite number")
     except (TypeError, ValueError) as exc:
         raise InteractionError(
-            f"{_name(user)}: generate_response must return (should_terminate, text, score, metadata): {exc}"
+            f"{interaction_name(user)}: generate_response must return (should_terminate, text, score, metadata): {exc}"
         ) from None
     text = valid_text(truncate_middle(str(text if text is not None else ""), config.max_tool_response_chars))
     if metadata is None or type(metadata) is not dict or metadata:  # JSON-safe, whatever it held
@@ -332,63 +320,6 @@ def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:
     return (seed * 1_000_003 + request.prompt_index * 10_007 + request.sample_index * 101 + turn) % 2**62
 
 
-async def score_request(
-    request: AsyncRolloutRequest,
-    created: list[tuple[BaseTool, str]],
-    chat: ChatTokenizer,
-    config: RolloutConfig,
-    reward_fn: RewardFn,
-    transcript: Transcript | None = None,
-    user: UserTurns | None = None,
-) -> None:
-    """COMPLETED: each tool's calc_reward, the interaction's score, the graded answer, the final
-    reward, the token check (against a full re-render, shown through the transcript where it holds)."""
-    for tool, instance_id in created:
-        kwargs = request.tools_kwargs.get(tool.name, {}).get("calc_reward_kwargs", {})
-        try:
-            reward = float(await within(tool.calc_reward(instance_id, **kwargs), config.tool_reward_timeout_s))
-            if not math.isfinite(reward):
-                raise ValueError(f"returned {reward}, not a finite number")
-            request.rewards.tools[tool.name] = reward
-        except Exception as exc:
-            request.rewards.tools[tool.name] = 0.0
-            request.metrics.tool_errors += 1
-            _note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
-    if user is not None and user.instance_id is not None:
-        try:
-            score = float(await within(user.interaction.calculate_score(user.instance_id, **user.kwargs),
-                                       config.tool_reward_timeout_s))  # fmt: skip
-            if not math.isfinite(score):
-                raise ValueError(f"returned {score}, not a finite number")
-            request.rewards.interaction = score
-        except Exception as exc:
-            _note_error(request, f"calculate_score of {_name(user)} failed: {_describe(exc)}")
-    if request.ground_truth is not None:
-        # math-verify's symbolic fallback can take a while: keep it off the event loop
-        request.rewards.answer = await asyncio.to_thread(score_answer, final_answer_text(request), request.ground_truth)
-    try:
-        result = reward_fn(request)
-        if inspect.isawaitable(result):
-            result = await result
-        final = math.nan if result is None else float(result)
-        if math.isnan(final) and request.rewards.judge_error is not None:
-            request.rewards.final = None  # missing, never 0: the judgment failed (see rollout/judge.py)
-        elif not math.isfinite(final):
-            raise ValueError(f"gave {result!r}, not a finite number")
-        else:
-            request.rewards.final = final
-    except Exception as exc:  # 0.0 for the output's readers; reward_error keeps it out of training
-        request.rewards.final = 0.0
-        request.rewards.reward_error = f"the reward function failed: {type(exc).__name__}: {exc}"
-        _note_error(request, request.rewards.reward_error)
-    if config.check_consistency and request.prompt_ids:
-        try:
-            report = chat.check_consistency(request.messages, request.all_ids, transcript)
-            request.consistency_diff = None if report.ok else report.diff
-        except Exception as exc:  # a message the template or tokenizer cannot take
-            request.consistency_diff = f"the consistency check failed: {type(exc).__name__}: {exc}"
-
-
 async def _release(
     request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]], config: RolloutConfig,
     user: UserTurns | None = None,
@@ -403,7 +334,7 @@ async def _release(
         except asyncio.CancelledError as exc:
             cancelled = exc
         except Exception as exc:
-            _note_error(request, f"finalize_interaction of {_name(user)} failed: {_describe(exc)}")
+            note_error(request, f"finalize_interaction of {interaction_name(user)} failed: {describe_error(exc)}")
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
         try:
@@ -411,10 +342,6 @@ async def _release(
         except asyncio.CancelledError as exc:
             cancelled = exc
         except Exception as exc:
-            _note_error(request, f"release of {tool.name} failed: {_describe(exc)}")
+            note_error(request, f"release of {tool.name} failed: {describe_error(exc)}")
     if cancelled is not None:
         raise cancelled
-
-
-def _note_error(request: AsyncRolloutRequest, message: str) -> None:
-    request.error = message if request.error is None else f"{request.error}; {message}"

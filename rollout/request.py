@@ -90,6 +90,8 @@ class RequestMetrics:
     tool_errors: int = 0
     user_turns: int = 0  # replies of the interaction (INTERACTING), the one that ended it included
     generated_tokens: int = 0
+    reasoning_tokens: int = 0  # generated tokens inside reasoning (``RolloutConfig.reasoning_parser``)
+    truncated_in_reasoning: bool = False  # a budget ran out before the reasoning closed
     state_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -137,8 +139,13 @@ class AsyncRolloutRequest:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     trace: list[TraceEvent] = field(default_factory=list)
     consistency_diff: str | None = None
+    history_rewrite: str | None = None
+    """The chat template renders earlier turns otherwise than they were sampled, as the reasoning
+    format declares (e.g. Qwen3 drops earlier reasoning); the tokens stay as sampled (``rollout/history.py``)."""
     segments: list[Segment] = field(default_factory=list)
     """Earlier samples of a gateway session whose history the agent rewrote; empty otherwise."""
+    assistant_texts: list[str] = field(default_factory=list, repr=False)
+    """Each assistant turn's text as generated (reasoning included), in order; not written out."""
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -205,6 +212,7 @@ class AsyncRolloutRequest:
             "interaction_turns": [asdict(turn) for turn in self.interaction_turns],
             "metrics": asdict(self.metrics),
             "consistency_diff": self.consistency_diff,
+            **({"history_rewrite": self.history_rewrite} if self.history_rewrite else {}),  # (only when declared)
             "segments": [asdict(segment) for segment in self.segments],
             "trace": [{"state": e.state.value, "t": round(e.t - start, 6)} for e in self.trace],
             "trace_start": start,

@@ -59,6 +59,9 @@ class RolloutSummary:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
     consistency_failures: int = 0
+    history_rewrites: int | None = None  # declared template rewrites of earlier turns (not failures); None: none
+    reasoning_tokens: float | None = None  # per request, with a reasoning parser; None: no reasoning
+    truncated_in_reasoning: int | None = None  # "length" finishes whose budget ran out while reasoning
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
 
@@ -68,7 +71,8 @@ class RolloutSummary:
     def table(self) -> Table:
         table = Table(title="rollout summary", show_header=False)
         for key, value in self.to_dict().items():
-            if key in ("user_turns", "split_sessions") and value is None:  # no interaction / no split session
+            if value is None and key in ("user_turns", "split_sessions", "history_rewrites", "reasoning_tokens",
+                                         "truncated_in_reasoning"):  # (not applicable to this rollout)  # fmt: skip
                 continue
             if isinstance(value, float):
                 value = f"{value:.4g}"
@@ -101,6 +105,9 @@ def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_pr
         finish_reasons=counts.finish_reasons,
         generated_tokens=counts.generated_tokens,
         consistency_failures=counts.consistency_failures,
+        history_rewrites=counts.history_rewrites or None,
+        reasoning_tokens=metrics.get("reasoning_tokens"),
+        truncated_in_reasoning=counts.truncated_in_reasoning if counts.reasoning_tokens else None,
         tokens_per_s=counts.generated_tokens / wall_s if wall_s > 0 else 0.0,
         wall_s=wall_s,
     )

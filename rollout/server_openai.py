@@ -17,9 +17,11 @@ from aiohttp import web
 from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload
 from rollout.parsers import get_parser
+from rollout.reasoning import get_reasoning_format
 from rollout.server_generate import GenerateItem, output_text, weight_version_spans
 from rollout.server_http import BadRequest, json_body, json_response, send_event, sse_response
 from rollout.tokens import ChatTokenizer, TemplateError
+from rollout.tool_parsers import get_renderer
 
 if TYPE_CHECKING:
     from rollout.server import EngineServer
@@ -89,14 +91,17 @@ class OpenAIRoutes:
         tools = tools if isinstance(tools, list) and tools else None
         try:
             chat = ChatTokenizer(server.tokenizer, tools)
-            prompt_ids = chat.prompt_ids([template_message(m, i) for i, m in enumerate(messages)])
+            parser_name = server.config.tool_parser
+            prompt_ids = chat.prompt_ids([template_message(m, i, parser_name) for i, m in enumerate(messages)])
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
-        # SGLang keeps special tokens in the text when tools are given (the parser reads them)
-        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)), skip_special_tokens=tools is None)
+        # SGLang keeps special tokens in the text when tools are given or reasoning is parsed (the parsers read them)
+        reasoning = get_reasoning_format(server.config.reasoning_parser)
+        keep_special = tools is not None or reasoning is not None
+        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)), skip_special_tokens=not keep_special)
         items = [self._item(prompt_ids, body, chat.stop_token_ids, options, None, "chatcmpl") for _ in range(n)]
-        parser = get_parser(server.config.tool_parser) if tools else None
-        reply = Reply(self, body, "chat.completion", len(prompt_ids), parser)
+        parser = get_parser(server.config.tool_parser, tools) if tools else None
+        reply = Reply(self, body, "chat.completion", len(prompt_ids), parser, reasoning)
         if body.get("stream"):
             return await reply.stream_chat(request, items)
         generations = await asyncio.gather(*(server.generate_item(item) for item in items))
@@ -158,8 +163,9 @@ class Reply:
     and SGLang's ``metadata`` (the weight version of the first choice and its ``weight_versions``)."""
 
     def __init__(self, routes: OpenAIRoutes, body: dict[str, Any], kind: str, prompt_tokens: int,
-                 parser: Any = None):  # fmt: skip
+                 parser: Any = None, reasoning: Any = None):  # fmt: skip
         self.server = routes.server
+        self.reasoning = reasoning  # a ReasoningFormat: answers carry reasoning_content
         self.kind = kind
         self.chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         self.prompt_tokens = prompt_tokens
@@ -189,6 +195,10 @@ class Reply:
         ``matched_stop`` (null for a tool call, as SGLang has it)."""
         text = output_text(self.server.tokenizer, generation, options)
         message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        if self.reasoning is not None:
+            split = self.reasoning.split(text)
+            text = message["content"] = split.content
+            message["reasoning_content"] = split.reasoning
         turn = self.parser(text) if self.parser else None
         calls = [call for call in turn.calls if call.error is None] if turn else []
         if not calls:
@@ -235,7 +245,7 @@ class Reply:
         sent = [""] * len(items)
         async with contextlib.aclosing(self.server.stream_generations(items)) as chunks:
             async for index, chunk in chunks:
-                if self.parser is not None:  # tool calls are parsed from the whole text
+                if self.parser is not None or self.reasoning is not None:  # parsed from the whole text
                     if isinstance(chunk, Generation):
                         await self._send_parsed(response, index, chunk, items[index].options)
                     continue
@@ -254,6 +264,9 @@ class Reply:
         """A parsed chat generation as SGLang's tool-call parser streams it: the content, then each
         call's id and name, then its arguments."""
         message, finish, _ = self.message(generation, options)
+        if message["reasoning_content"]:
+            delta = {"role": None, "content": None, "reasoning_content": message["reasoning_content"]}
+            await send_event(response, self._delta(index, delta, usage=True))
         if message["content"]:
             delta = {"role": None, "content": message["content"], "reasoning_content": None}
             await send_event(response, self._delta(index, delta, usage=True))
@@ -315,9 +328,10 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return [s for s in stops if s]
 
 
-def template_message(message: Any, index: int) -> dict[str, Any]:
-    """An OpenAI chat message as the chat template takes it: assistant tool calls written back
-    in the model's own ``<tool_call>`` format, content parts joined into text."""
+def template_message(message: Any, index: int, tool_parser: str = "qwen25") -> dict[str, Any]:
+    """An OpenAI chat message as the chat template takes it: assistant tool calls written back in the
+    model's own format (``tool_parser``'s renderer; Qwen2.5's ``<tool_call>`` lines by default),
+    content parts joined into text."""
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
         raise BadRequest(f"messages[{index}]: expected an object with role system, user, assistant or tool", "schema")
     content = message.get("content") or ""
@@ -328,6 +342,7 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
         raise BadRequest(f"messages[{index}].tool_calls: expected a list of tool call objects", "schema")
+    written: list[tuple[str, dict[str, Any]]] = []
     for call in calls:
         function = call.get("function") or {}
         if not isinstance(function, dict):
@@ -337,8 +352,13 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
             raise BadRequest(f"messages[{index}].tool_calls: arguments are not valid JSON") from None
+        if tool_parser not in ("qwen25", "hermes"):
+            written.append((str(function.get("name")), arguments if isinstance(arguments, dict) else {}))
+            continue
         text = json.dumps({"name": function.get("name"), "arguments": arguments}, separators=(",", ":"))
         content += ("\n" if content else "") + f"<tool_call>\n{text}\n</tool_call>"
+    if written:
+        content = get_renderer(tool_parser)(content, written)
     return {"role": message["role"], "content": content}
 
 

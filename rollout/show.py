@@ -190,6 +190,8 @@ def _header(record: dict[str, Any]) -> Table:
     rows.append(("timeline", Text(_timeline(_trace(record)))))
     if record.get("consistency_diff"):
         rows.append(("consistency diff", Text(str(record["consistency_diff"]), style="red")))
+    if record.get("history_rewrite"):  # declared by the reasoning format, not a failure
+        rows.append(("history rewrite", Text(str(record["history_rewrite"]), style="yellow")))
     for key, value in rows:
         table.add_row(key, value)
     return table
@@ -288,9 +290,12 @@ def _conversation(record: dict[str, Any], sample: dict[str, Any], first: int = 0
             subtitle = f"score {_number(answering.get('score'))}, latency {latency}"
             answering = None
         style = ROLE_STYLES.get(role, "white")
+        body: Any = Text(str(message.get("content", "")))
+        if message.get("reasoning") is not None:  # (a reasoning parser split it off the content)
+            body = Group(Text(f"reasoning: {message['reasoning']}", style="dim italic"), body)
         out.append(
             Panel(
-                Text(str(message.get("content", ""))),
+                body,
                 title=Text(title, style=f"bold {style}"),
                 title_align="left",
                 subtitle=Text(subtitle) if subtitle else None,

@@ -14,6 +14,10 @@ them across ranks) before the means are taken. Definitions:
   (a split gateway session's segments included).
 - **consistency_failures**: requests whose re-rendered conversation differed from their tokens, in
   their own tokens or in any segment (counted once).
+- **history_rewrites**: requests whose template renders earlier turns otherwise than sampled, as
+  their reasoning format declares (not failures; only reported when some request had one).
+- **reasoning_tokens**: generated tokens inside reasoning per request; **truncated_in_reasoning**:
+  the share of requests whose budget ran out while reasoning (only reported with reasoning).
 - **split_sessions**: gateway sessions split into segments because the agent rewrote its history;
   only reported when some request was split.
 """
@@ -75,6 +79,9 @@ class RolloutCounts:
     errors: int = 0
     truncated: int = 0
     consistency_failures: int = 0
+    history_rewrites: int = 0
+    reasoning_tokens: int = 0
+    truncated_in_reasoning: int = 0
     split_sessions: int = 0
     stale_sum: int = 0
     stale_tokens: int = 0
@@ -106,6 +113,9 @@ class RolloutCounts:
             errors=reasons.get("error", 0),
             truncated=reasons.get("length", 0),
             consistency_failures=sum(_inconsistent(r) for r in requests),
+            history_rewrites=sum(r.history_rewrite is not None for r in requests),
+            reasoning_tokens=sum(r.metrics.reasoning_tokens for r in requests),
+            truncated_in_reasoning=sum(r.metrics.truncated_in_reasoning for r in requests),
             split_sessions=sum(bool(r.segments) for r in requests),
             stale_sum=sum(gaps),
             stale_tokens=len(gaps),
@@ -136,6 +146,11 @@ class RolloutCounts:
             std = math.sqrt(max(self.reward_sq_sum / self.rewarded - mean**2, 0.0))
         interaction = {"user_turns": self.user_turns / self.interactive} if self.interactive else {}
         split = {"split_sessions": self.split_sessions} if self.split_sessions else {}
+        rewrites = {"history_rewrites": self.history_rewrites} if self.history_rewrites else {}
+        reasoning = {}
+        if self.reasoning_tokens:
+            reasoning = {"reasoning_tokens": self.reasoning_tokens / n,
+                         "truncated_in_reasoning_rate": self.truncated_in_reasoning / n}  # fmt: skip
         return {
             "trajectories": self.requests,
             "reward_mean": mean,
@@ -154,4 +169,6 @@ class RolloutCounts:
             "staleness_max": self.stale_max,
             **interaction,
             **split,
+            **rewrites,
+            **reasoning,
         }

@@ -164,8 +164,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     config_file = path / "tokenizer_config.json"
     declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if declared in _GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    generation = path / "generation_config.json"  # the model's stop tokens ride along (ChatTokenizer reads them)
+    stops = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    if stops is not None:
+        setattr(tokenizer, MODEL_STOP_IDS, [stops] if isinstance(stops, int) else list(stops))
+    return tokenizer
+
+
+MODEL_STOP_IDS = "rallyrl_model_stop_ids"
+"""The attribute ``load_tokenizer`` sets on a tokenizer: the model's ``generation_config.json``
+``eos_token_id`` list, where it stops generating."""
 
 
 class TemplateError(ValueError):
@@ -216,13 +227,19 @@ class ChatTokenizer:
         self.turn_close_ids: list[int] = self.encode(close_text)
         """What the template puts after an assistant message's content, e.g. ``<|im_end|>\\n``."""
         self._base_text = base_text
-        stop = set()
-        if self.turn_close_ids:
-            stop.add(self.turn_close_ids[0])
+        written = set(self.turn_close_ids[:1])  # stop tokens the template writes itself after a turn
         if tokenizer.eos_token_id is not None:
-            stop.add(tokenizer.eos_token_id)
-        self.stop_token_ids: list[int] = sorted(stop)
-        self._stop_text = {token: self.decode([token]) for token in self.stop_token_ids}
+            written.add(tokenizer.eos_token_id)
+        declared = set(getattr(tokenizer, MODEL_STOP_IDS, None) or ())
+        eos = {tokenizer.eos_token_id} - {None}
+        self.stop_token_ids: list[int] = sorted(declared | eos if declared else written)
+        """Where generation stops: the model's own stop tokens (``generation_config.json``) when it
+        declares them (gpt-oss ends turns with <|return|> or <|call|>, and <|end|> only ends a
+        message), else the template's turn close and EOS."""
+        self._openers = self._next_message_openers(declared)
+        self._stop_text = {token: self.decode([token]) for token in sorted(written | self._openers)}
+        """The stop tokens a message's content leaves out (the template writes them): others, such as
+        gpt-oss's <|call|>, stay in the content as the model wrote them."""
         self._close_text = close_text
         rest = self.turn_close_ids[1:]
         first = self.decode(self.turn_close_ids[:1])
@@ -283,10 +300,32 @@ class ChatTokenizer:
         return text, self.encode(text)
 
     def assistant_text(self, output_ids: list[int]) -> str:
-        """The assistant message content for engine output (without its closing stop token)."""
-        if output_ids and output_ids[-1] in self.stop_token_ids:
+        """The assistant message content for engine output (without a closing stop token the template writes)."""
+        if output_ids and output_ids[-1] in self._stop_text:
             output_ids = output_ids[:-1]
         return self.decode(output_ids)
+
+    def _next_message_openers(self, stops: set[int]) -> set[int]:
+        """Stop tokens that open the next message (GLM-4.5 ends a turn with <|observation|> or <|user|>,
+        which the template writes at the start of the tool or user message, and writes nothing after
+        an assistant turn): the generated one is kept and the delta's copy dropped (``delta_after``)."""
+        if self.turn_close_ids or not stops:
+            return set()
+        starts = []
+        for message in ({"role": "tool", "content": "t"}, {"role": "user", "content": "u"}):
+            try:
+                starts.append(self._rendered_delta([message]))
+            except TemplateError:
+                continue
+        return {stop for stop in stops if any(start.startswith(self.decode([stop])) for start in starts)}
+
+    def delta_after(self, output_ids: list[int], delta: tuple[str, list[int]]) -> tuple[str, list[int]]:
+        """``delta`` without its first token when the turn's generated stop token already opened it."""
+        text, ids = delta
+        if output_ids and ids and output_ids[-1] in self._openers and ids[0] == output_ids[-1]:
+            opener = self._stop_text[ids[0]]
+            return (text[len(opener) :] if text.startswith(opener) else self.decode(ids[1:])), ids[1:]
+        return delta
 
     def assistant_close_ids(self, output_ids: list[int]) -> list[int]:
         """The template's glue after an assistant turn that the engine did not produce itself."""
@@ -426,6 +465,8 @@ class ChatTokenizer:
         re-encoded only when that, or a segment's check, fails.
         """
         ends_with_assistant = messages[-1]["role"] == "assistant"
+        if ends_with_assistant and ids and ids[-1] in self._openers:  # the last turn's stop opened no message
+            ids, transcript = ids[:-1], None
         rendered = self.render(messages, add_generation_prompt=not ends_with_assistant)
         if transcript is not None:
             tail = self._tail_beyond_transcript(rendered, ids, transcript, ends_with_assistant)
