@@ -89,7 +89,7 @@ def declared_rewrite(chat: ChatTokenizer, view: list[dict[str, Any]], ids: list[
     """How the template rewrote history when that explains the whole difference between its rendering
     of ``view`` and ``ids``; None when something else differs."""
     ends_with_assistant = view[-1].get("role") == "assistant"
-    if ends_with_assistant and ids and ids[-1] in chat._openers:  # (GLM-4.5: the last stop opened no message)
+    if ends_with_assistant and ids and chat.opens_next_message(ids[-1]):  # (GLM-4.5: the last stop opened none)
         ids = ids[:-1]
     kept = chat.decode(ids)
     if chat.encode(kept) != ids:
@@ -99,7 +99,7 @@ def declared_rewrite(chat: ChatTokenizer, view: list[dict[str, Any]], ids: list[
     last_user = users[-1] if users else -1
     dropped = [k for k, i in enumerate(assistants) if fmt.history == "drop_all" or i < last_user]
     rendered = chat.render(view, add_generation_prompt=not ends_with_assistant)
-    tails = ("", chat._close_text, chat._close_rest_text) if ends_with_assistant else ("",)
+    tails = chat.closing_tails() if ends_with_assistant else ("",)
     for style in DROP_STYLES:
         rewritten = _drop_reasoning(kept, texts, set(dropped), fmt, style)
         if rewritten is None or rewritten == kept:

@@ -327,6 +327,15 @@ class ChatTokenizer:
             return (text[len(opener) :] if text.startswith(opener) else self.decode(ids[1:])), ids[1:]
         return delta
 
+    def opens_next_message(self, token: int) -> bool:
+        """Whether ``token`` is a stop token that opens the next message (``_next_message_openers``)."""
+        return token in self._openers
+
+    def closing_tails(self) -> tuple[str, ...]:
+        """What a rendering of a conversation that ends with an assistant turn may have beyond its
+        tokens: nothing, the template's turn close, or the close without the generated stop token."""
+        return ("", self._close_text, self._close_rest_text)
+
     def assistant_close_ids(self, output_ids: list[int]) -> list[int]:
         """The template's glue after an assistant turn that the engine did not produce itself."""
         close = self.turn_close_ids

@@ -1,5 +1,5 @@
-"""The agent gateway and ``rallyrl serve``'s OpenAI endpoint with a reasoning model (a Qwen3-style
-test model, ``tests/families.py``): answers carry ``reasoning_content`` and parsed ``tool_calls`` as
+"""The agent gateway and ``rallyrl serve``'s OpenAI endpoint with a reasoning model (Qwen3-style
+test models, ``tests/families.py``): answers carry ``reasoning_content`` and parsed ``tool_calls`` as
 SGLang's do with ``--reasoning-parser qwen3 --tool-call-parser qwen25``, through the openai SDK, and
 the session's tokens stay those generated, reasoning included."""
 
@@ -64,3 +64,28 @@ def test_an_answer_message_splits_reasoning_before_reading_tool_calls():
     assert message["tool_calls"][0]["function"]["name"] == "echo"
     plain = answer_message("No thinking here.", "qwen25", "qwen3")
     assert plain == {"role": "assistant", "content": "No thinking here.", "reasoning_content": None}
+
+
+async def test_rallyrl_serve_answers_with_reasoning_content_and_tool_calls_and_writes_history_back_in_family_format():
+    from test_server import post, served
+
+    spec = family("qwen3-coder")  # XML calls: the agent's history is written back in that format
+    prompts: list[str] = []
+
+    def script(turn: int, prompt: str, rid: str) -> str:
+        prompts.append(prompt)
+        call = "<tool_call>\n<function=echo>\n<parameter=text>\n6*7\n</parameter>\n</function>\n</tool_call>"
+        return f"<think>\nCall it.\n</think>\n\n{call}"
+
+    engine = ScriptedEngine(ChatTokenizer(spec.tokenizer, [ECHO]), script)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}]  # fmt: skip
+    async with served(engine, spec.tokenizer, tool_parser="qwen3_coder", reasoning_parser="qwen3") as client:
+        status, completion = await post(client, "/v1/chat/completions", {"messages": history, "tools": [ECHO]})
+    assert status == 200, completion
+    message = completion["choices"][0]["message"]
+    assert message["reasoning_content"] == "Call it." and completion["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("echo", '{"text": "6*7"}')]  # fmt: skip
+    assert "<function=echo>\n<parameter=text>\nx\n</parameter>" in prompts[0]  # not Hermes JSON
