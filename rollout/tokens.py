@@ -24,16 +24,17 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from rollout.ascii_tokens import AsciiDecoder
+from rollout.tokenizer_files import MODEL_STOP_IDS, load_tokenizer
 from rollout.transcript import SegmentSplitter, Transcript, fast_encoder
+
+__all__ = ["MODEL_STOP_IDS", "ChatTokenizer", "ConsistencyReport", "TemplateError", "load_tokenizer"]
 
 _SENTINEL = "\u2063RALLYRL-ASSISTANT-CONTENT\u2063"
 _BASE_MESSAGES = [
@@ -49,9 +50,6 @@ _PROBE_CONTENTS = (
 )  # fmt: skip
 """Contents a template must put in verbatim before the text around contents is reused."""
 _FULL_PROBES = tuple(content for content in _PROBE_CONTENTS if content)
-
-_GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
-
 
 def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
     """The Rust tokenizer behind a fast tokenizer when calling it directly gives the same ids and
@@ -150,33 +148,6 @@ def _joined(pieces: list[str], contents: list[str]) -> str:
     for content, piece in zip(contents, pieces[1:], strict=True):
         text += content + piece
     return text
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a local tokenizer as its directory declares it (nothing is downloaded).
-
-    transformers 5 swaps in the model type's own tokenizer class for some models (qwen2
-    among them) even when ``tokenizer_config.json`` names the generic fast tokenizer, which
-    rebuilds the pre-tokenizer; a directory that declares the generic class gets exactly its
-    ``tokenizer.json`` here.
-    """
-    path = Path(path)
-    config_file = path / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared in _GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    generation = path / "generation_config.json"  # the model's stop tokens ride along (ChatTokenizer reads them)
-    stops = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    if stops is not None:
-        setattr(tokenizer, MODEL_STOP_IDS, [stops] if isinstance(stops, int) else list(stops))
-    return tokenizer
-
-
-MODEL_STOP_IDS = "rallyrl_model_stop_ids"
-"""The attribute ``load_tokenizer`` sets on a tokenizer: the model's ``generation_config.json``
-``eos_token_id`` list, where it stops generating."""
 
 
 class TemplateError(ValueError):
