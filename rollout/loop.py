@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,19 +27,10 @@ from rollout.history import assistant_message, reasoning_token_count
 from rollout.parsers import ToolCall, get_parser
 from rollout.reasoning import ReasoningSplit, get_reasoning_format
 from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, RequestState, ToolCallRecord
-from rollout.scoring import default_reward, describe_error, interaction_name, note_error, score_request
+from rollout.scoring import UserTurns, default_reward, describe_error, interaction_name, note_error, score_request
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
 from tools.base import BaseTool, ToolError, ToolResponse
-
-
-@dataclass
-class UserTurns:
-    """The interaction (the user's side) of one request: which one, its instance and its kwargs."""
-
-    interaction: Any  # rollout.interactions.BaseInteraction or any class with verl's interface
-    kwargs: dict[str, Any]  # the record's interaction_kwargs, given to each of its coroutines
-    instance_id: str | None = None  # set once start_interaction returned
 
 
 def user_turns_for(request: AsyncRolloutRequest, interactions: dict[str, Any] | None) -> UserTurns | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from data.reward_fns import RewardFn, final_answer_text
 from data.rewards import score_answer
@@ -19,8 +20,14 @@ from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
 from tools.base import BaseTool
 
-if TYPE_CHECKING:
-    from rollout.loop import UserTurns
+
+@dataclass
+class UserTurns:
+    """The interaction (the user's side) of one request: which one, its instance and its kwargs."""
+
+    interaction: Any  # rollout.interactions.BaseInteraction or any class with verl's interface
+    kwargs: dict[str, Any]  # the record's interaction_kwargs, given to each of its coroutines
+    instance_id: str | None = None  # set once start_interaction returned
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
