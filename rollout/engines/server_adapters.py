@@ -18,6 +18,7 @@ trainer falls back to merged full weights.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -54,6 +55,16 @@ class AdapterSupport:
         return not self.ready and not self.fix
 
 
+def _rank_above(url: str, rank: int, max_rank: object) -> AdapterSupport | None:
+    """The refusal of a ``rank`` above the server's ``--max-lora-rank`` (None: it fits, or unknown)."""
+    if isinstance(max_rank, int) and rank > max_rank:
+        return AdapterSupport(
+            False, f"lora.rank {rank} is above {url}'s --max-lora-rank {max_rank}",
+            f"set lora.rank to {max_rank} or less, or restart the server with --max-lora-rank {rank}",
+        )  # fmt: skip
+    return None
+
+
 def sglang_adapter_support(url: str, info: dict, rank: int, modules: Sequence[str]) -> AdapterSupport:
     """What an SGLang server (``/get_server_info`` answered ``info``) can do with an adapter of
     ``rank`` on ``modules``; ``rallyrl serve`` (no ``enable_lora`` in its answer) loads none."""
@@ -66,12 +77,9 @@ def sglang_adapter_support(url: str, info: dict, rank: int, modules: Sequence[st
             False, f"{url} was started without --enable-lora",
             f"restart it with --enable-lora --max-lora-rank {rank} --lora-target-modules all, or set lora.sync: merged",
         )  # fmt: skip
-    max_rank = info.get("max_lora_rank")
-    if isinstance(max_rank, int) and rank > max_rank:
-        return AdapterSupport(
-            False, f"lora.rank {rank} is above {url}'s --max-lora-rank {max_rank}",
-            f"set lora.rank to {max_rank} or less, or restart the server with --max-lora-rank {rank}",
-        )  # fmt: skip
+    too_high = _rank_above(url, rank, info.get("max_lora_rank"))
+    if too_high is not None:
+        return too_high
     served = info.get("lora_target_modules") or ["all"]
     missing = sorted(set(modules) - set(served)) if "all" not in served else []
     if missing:
@@ -95,12 +103,9 @@ def vllm_adapter_support(url: str, lora: dict | None, env: dict | None, rank: in
     if not lora:
         return AdapterSupport(False, f"{url} was started without --enable-lora",
                               f"restart it with {flags}, or set lora.sync: merged")  # fmt: skip
-    max_rank = lora.get("max_lora_rank")
-    if isinstance(max_rank, int) and rank > max_rank:
-        return AdapterSupport(
-            False, f"lora.rank {rank} is above {url}'s --max-lora-rank {max_rank}",
-            f"set lora.rank to {max_rank} or less, or restart the server with --max-lora-rank {rank}",
-        )  # fmt: skip
+    too_high = _rank_above(url, rank, lora.get("max_lora_rank"))
+    if too_high is not None:
+        return too_high
     runtime = str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower()
     if runtime not in ("1", "true"):
         return AdapterSupport(
@@ -110,9 +115,10 @@ def vllm_adapter_support(url: str, lora: dict | None, env: dict | None, rank: in
     return AdapterSupport(True)
 
 
-class ServesAdapters:
+class ServesAdapters(abc.ABC):
     """The adapter half of a server client: which adapter requests name, loading a new one per
-    version, unloading old ones once unused. The client supplies the server's calls."""
+    version, unloading old ones once unused. Each client supplies the server's calls (the abstract
+    methods below)."""
 
     url: str
     weight_version: int
@@ -127,20 +133,25 @@ class ServesAdapters:
 
     # ----- the server's calls (each client) ------------------------------------------------------
 
+    @abc.abstractmethod
     async def adapter_support(self, rank: int, modules: Sequence[str]) -> AdapterSupport:
-        raise NotImplementedError
+        """Whether an adapter of ``rank`` on ``modules`` can be loaded, and if not why."""
 
+    @abc.abstractmethod
     async def _load_adapter(self, name: str, path: str) -> None:
-        raise NotImplementedError
+        """Load the adapter at ``path`` under ``name``; EngineError with the server's reason."""
 
+    @abc.abstractmethod
     async def _unload_adapter(self, name: str) -> None:
-        raise NotImplementedError
+        """Drop the adapter ``name``."""
 
+    @abc.abstractmethod
     async def _name_weight_version(self, weight_version: int) -> None:
-        raise NotImplementedError
+        """Have the server report ``weight_version``."""
 
+    @abc.abstractmethod
     def _paused(self) -> contextlib.AbstractAsyncContextManager[None]:
-        raise NotImplementedError
+        """Generation paused (in-flight requests aborted) for the block's length."""
 
     # ----- requests ------------------------------------------------------------------------------
 

@@ -286,3 +286,37 @@ def xml_call(name: str, arguments: dict[str, Any]) -> ToolCall:
 def xml_text(value: Any) -> str:
     """A parameter value as XML-style templates write it: strings raw, anything else as JSON."""
     return value if isinstance(value, str) else dump_json(value)
+
+
+def parse_delimited(text: str, section_begin: str, call_begin: str, call_end: str,
+                    read_call: Callable[[str, int], tuple[ToolCall, int]]) -> ParsedTurn:  # fmt: skip
+    """Calls each between ``call_begin`` and ``call_end`` (inside an optional section opened by
+    ``section_begin``); content is the text before the first. ``read_call`` reads one call after its
+    ``call_begin`` and returns it with where it ended (-1: resynchronise at the next ``call_end``)."""
+    starts = [s for s in (text.find(section_begin), text.find(call_begin)) if s >= 0]
+    if not starts:
+        return ParsedTurn(content=text)
+    turn = ParsedTurn(content=text[: min(starts)].rstrip())
+    begin = text.find(call_begin)
+    while begin >= 0:
+        position = begin + len(call_begin)
+        if text.find(call_end, position) < 0:
+            message = f"unclosed {call_begin} (no {call_end}): {snippet_at(text, position)}"
+            turn.calls.append(ToolCall("", None, message))
+            break
+        try:
+            call, end = read_call(text, position)
+            if end >= 0 and call.error is None:
+                end = skip_space(text, end)
+                if not text.startswith(call_end, end):
+                    message = f"expected {call_end} after the arguments of tool call {call.name!r}"
+                    raise Malformed(f"{message}: {snippet_at(text, end)}", call.name)
+                end += len(call_end)
+            turn.calls.append(call)
+        except Malformed as exc:
+            turn.calls.append(ToolCall(exc.name, None, str(exc)))
+            end = -1
+        if end < 0 or turn.calls[-1].error is not None:  # resynchronise at the next call
+            end = text.find(call_end, position) + len(call_end)
+        begin = text.find(call_begin, end)
+    return turn

@@ -6,14 +6,13 @@ writes ``NAME<｜tool▁sep｜>{ARGS}``. Text before the calls is content.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from rollout.tool_parsers.base import (
     Malformed,
     ParsedTurn,
     ToolCall,
     check_name,
     dump_json,
+    parse_delimited,
     read_arguments,
     register_parser,
     register_renderer,
@@ -61,47 +60,16 @@ def _read_v31(text: str, position: int) -> tuple[ToolCall, int]:
     return read_arguments(text, sep + len(SEP), name, CALL_END)
 
 
-def _parse(text: str, read_call: Callable[[str, int], tuple[ToolCall, int]]) -> ParsedTurn:
-    """Content and calls; ``read_call`` reads one call after its ``<｜tool▁call▁begin｜>``."""
-    starts = [s for s in (text.find(CALLS_BEGIN), text.find(CALL_BEGIN)) if s >= 0]
-    if not starts:
-        return ParsedTurn(content=text)
-    turn = ParsedTurn(content=text[: min(starts)].rstrip())
-    begin = text.find(CALL_BEGIN)
-    while begin >= 0:
-        position = begin + len(CALL_BEGIN)
-        if text.find(CALL_END, position) < 0:
-            message = f"unclosed <｜tool▁call▁begin｜> (no <｜tool▁call▁end｜>): {snippet_at(text, position)}"
-            turn.calls.append(ToolCall("", None, message))
-            break
-        try:
-            call, end = read_call(text, position)
-            if end >= 0 and call.error is None:
-                end = skip_space(text, end)
-                if not text.startswith(CALL_END, end):
-                    message = f"expected <｜tool▁call▁end｜> after the arguments of tool call {call.name!r}"
-                    raise Malformed(f"{message}: {snippet_at(text, end)}", call.name)
-                end += len(CALL_END)
-            turn.calls.append(call)
-        except Malformed as exc:
-            turn.calls.append(ToolCall(exc.name, None, str(exc)))
-            end = -1
-        if end < 0 or turn.calls[-1].error is not None:  # resynchronise at the next call
-            end = text.find(CALL_END, position) + len(CALL_END)
-        begin = text.find(CALL_BEGIN, end)
-    return turn
-
-
 @register_parser("deepseekv3")
 def parse_deepseekv3(text: str) -> ParsedTurn:
     """DeepSeek-V3 / R1 calls (arguments in a ```json fence)."""
-    return _parse(text, _read_v3)
+    return parse_delimited(text, CALLS_BEGIN, CALL_BEGIN, CALL_END, _read_v3)
 
 
 @register_parser("deepseekv31")
 def parse_deepseekv31(text: str) -> ParsedTurn:
     """DeepSeek-V3.1 calls (``NAME<｜tool▁sep｜>{ARGS}``)."""
-    return _parse(text, _read_v31)
+    return parse_delimited(text, CALLS_BEGIN, CALL_BEGIN, CALL_END, _read_v31)
 
 
 @register_renderer("deepseekv3")

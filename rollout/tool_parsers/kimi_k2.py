@@ -16,10 +16,10 @@ from rollout.tool_parsers.base import (
     _snippet,
     check_name,
     dump_json,
+    parse_delimited,
     read_arguments,
     register_parser,
     register_renderer,
-    skip_space,
     snippet_at,
 )
 
@@ -45,33 +45,7 @@ def _read_call(text: str, position: int) -> tuple[ToolCall, int]:
 @register_parser("kimi_k2")
 def parse_kimi_k2(text: str) -> ParsedTurn:
     """Kimi K2's calls; text before ``<|tool_calls_section_begin|>`` (or the first call) is content."""
-    starts = [s for s in (text.find(SECTION_BEGIN), text.find(CALL_BEGIN)) if s >= 0]
-    if not starts:
-        return ParsedTurn(content=text)
-    turn = ParsedTurn(content=text[: min(starts)].rstrip())
-    begin = text.find(CALL_BEGIN)
-    while begin >= 0:
-        position = begin + len(CALL_BEGIN)
-        if text.find(CALL_END, position) < 0:
-            message = f"unclosed <|tool_call_begin|> (no <|tool_call_end|>): {snippet_at(text, position)}"
-            turn.calls.append(ToolCall("", None, message))
-            break
-        try:
-            call, end = _read_call(text, position)
-            if end >= 0 and call.error is None:
-                end = skip_space(text, end)
-                if not text.startswith(CALL_END, end):
-                    message = f"expected <|tool_call_end|> after the arguments of tool call {call.name!r}"
-                    raise Malformed(f"{message}: {snippet_at(text, end)}", call.name)
-                end += len(CALL_END)
-            turn.calls.append(call)
-        except Malformed as exc:
-            turn.calls.append(ToolCall(exc.name, None, str(exc)))
-            end = -1
-        if end < 0 or turn.calls[-1].error is not None:  # resynchronise at the next call
-            end = text.find(CALL_END, position) + len(CALL_END)
-        begin = text.find(CALL_BEGIN, end)
-    return turn
+    return parse_delimited(text, SECTION_BEGIN, CALL_BEGIN, CALL_END, _read_call)
 
 
 @register_renderer("kimi_k2")
