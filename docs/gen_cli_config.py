@@ -128,9 +128,18 @@ def type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint).replace("typing.", ""))
 
 
+def optional_section(hint: Any) -> type | None:
+    """The dataclass of a section that is off by default (``LoRAConfig | None = None``), else None."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        classes = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        return classes[0] if len(classes) == 1 else None
+    return None
+
+
 def walk_fields(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field, Any, str]]:
     """(dotted name, owning dataclass, field, type hint, documentation) for every field of the tree
-    rooted at dataclass instance ``obj``, nested sections after the field that holds them."""
+    rooted at dataclass instance ``obj``, nested sections after the field that holds them. A section
+    that is null by default is walked with its own defaults, the values it takes once given."""
     from data.config_tree import field_docs, field_types
 
     hints = field_types(type(obj))
@@ -139,6 +148,8 @@ def walk_fields(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclas
         dotted = f"{prefix}{f.name}"
         yield dotted, obj, f, hints[f.name], docs.get(f.name, "")
         value = getattr(obj, f.name)
+        if value is None and (section := optional_section(hints[f.name])) is not None:
+            value = section()
         if dataclasses.is_dataclass(value):
             yield from walk_fields(value, dotted + ".")
 
@@ -151,6 +162,14 @@ def _value(value: Any) -> str:
     dumped = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
     dumped = dumped.removesuffix("...").strip()
     return f"`{dumped}`".replace("|", "\\|")
+
+
+def _section_value(tree: Any, dotted: str) -> Any:
+    """The value at a dotted section path of ``tree``; None where a section on the way is null."""
+    value = tree
+    for part in dotted.split("."):
+        value = getattr(value, part, None) if value is not None else None
+    return value
 
 
 def config_reference(trees: dict[str, Any]) -> str:
@@ -179,7 +198,10 @@ def config_reference(trees: dict[str, Any]) -> str:
             rows.append(f"| `{dotted}` | {type_name(hint)} | {_value(getattr(owner, f.name))} | {_cell(doc)} |")
         for section, rows in sections.items():
             title = f"`{section}`" if section else "top level"
-            lines += [f"### {command}: {title}", "", "| field | type | default | description |"]
+            lines += [f"### {command}: {title}", ""]
+            if section and _section_value(tree, section) is None:
+                lines += [f"`{section}` is null (off) by default; once given, its fields default as below.", ""]
+            lines += ["| field | type | default | description |"]
             lines += ["| --- | --- | --- | --- |", *rows, ""]
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,17 @@ gen = _load("gen_cli_config")
 gen_ref = _load("gen_ref_pages")
 
 
+def _all_commands(group, path=()):
+    """Every (path, command) of a click group, read independently of the generator's walk."""
+    for name, command in getattr(group, "commands", {}).items():
+        yield (*path, name), command
+        yield from _all_commands(command, (*path, name))
+
+
 def _missing_cli(app: typer.Typer, page: str) -> list[str]:
     """Every command path and option name of ``app`` that ``page`` does not show."""
     missing = []
-    for path, command in gen.walk_commands(typer.main.get_command(app)):
+    for path, command in _all_commands(typer.main.get_command(app)):
         if f"`rallyrl {' '.join(path)}`" not in page:
             missing.append(" ".join(path))
         for param in command.params:
@@ -34,11 +43,26 @@ def _missing_cli(app: typer.Typer, page: str) -> list[str]:
     return missing
 
 
+def _all_fields(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted field of a config class, read from the types alone (independently of the
+    generator's walk over the default values): a section typed ``X | None`` is walked too."""
+    names = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        names.append(prefix + name)
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        for option in options:
+            if dataclasses.is_dataclass(option):
+                names += _all_fields(option, f"{prefix}{name}.")
+    return names
+
+
 def _missing_config(trees: dict, page: str) -> list[str]:
     return [
         f"{command}: {dotted}"
         for command, tree in trees.items()
-        for dotted, *_ in gen.walk_fields(tree)
+        for dotted in _all_fields(type(tree))
         if f"| `{dotted}` |" not in page
     ]
 
@@ -48,7 +72,7 @@ def test_the_cli_reference_shows_every_command_subcommand_and_option():
 
     page = gen.cli_reference(cli.app)
     root = typer.main.get_command(cli.app)
-    names = [" ".join(path) for path, _ in gen.walk_commands(root)]
+    names = [" ".join(path) for path, _ in _all_commands(root)]
     assert {"rollout", "train", "config", "data", "data gsm8k", "data math"} <= set(names)
     assert _missing_cli(cli.app, page) == []
 
@@ -56,8 +80,8 @@ def test_the_cli_reference_shows_every_command_subcommand_and_option():
 def test_the_config_reference_shows_every_field_of_every_command_tree():
     trees = gen.rallyrl_trees()
     page = gen.config_reference(trees)
-    fields = [dotted for dotted, *_ in gen.walk_fields(trees["train"])]
-    assert {"steps", "rollout.max_turns", "engine.local.max_batch_size", "judge.url"} <= set(fields)
+    fields = _all_fields(type(trees["train"]))
+    assert {"steps", "rollout.max_turns", "engine.local.max_batch_size", "judge.url", "lora.rank"} <= set(fields)
     assert _missing_config(trees, page) == []
 
 
@@ -120,6 +144,8 @@ class _Outer:
     mode: str = "fast"
     """How it runs."""
     inner: _Inner = dataclasses.field(default_factory=_Inner)
+    extra: _Inner | None = None
+    """Off unless given."""
 
 
 def test_a_synthetic_config_tree_is_documented_field_by_field():
@@ -128,6 +154,8 @@ def test_a_synthetic_config_tree_is_documented_field_by_field():
         "| `mode` | str | `fast` | How it runs. |",
         "| `inner.depth` | int | `2` | How deep it goes. |",
         "### demo: `inner`",
+        "| `extra.depth` | int | `2` | How deep it goes. |",
+        "`extra` is null (off) by default",
     ):
         assert text in page
     assert _missing_config({"demo": _Outer()}, page) == []
