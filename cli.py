@@ -371,7 +371,7 @@ async def _serve(config: Any) -> None:
 
     from rollout.api import resolve_model, set_threads
     from rollout.engines.local import LocalEngine
-    from rollout.server import serve
+    from rollout.serve.app import serve
     from rollout.tokens import load_tokenizer
 
     set_threads(config.threads)
@@ -467,7 +467,7 @@ def bench(
 def _register_more_commands() -> None:
     """Commands on files and data, defined beside what they work on."""
     from data.commands import data_app, export_model, new_model
-    from rollout.file_commands import check, export_command, show_command
+    from rollout.files.commands import check, export_command, show_command
 
     app.command("new-model")(new_model)
     app.command("export-model")(export_model)

@@ -15,7 +15,7 @@ Rows:
 
 - ``embedded``: the embedded engine in this process (no server, so no raw row).
 - ``serve``: ``rallyrl serve`` in a subprocess, with ``--threads`` = this machine's cores.
-- ``sglang``, ``vllm``: the real engines from their virtualenvs (``rollout/engine_servers.py``);
+- ``sglang``, ``vllm``: the real engines from their virtualenvs (``rollout/engines/launch.py``);
   a missing virtualenv skips its row with the command that installs it.
 
 On each server: an untimed warm-up (a rallyrl run of one full set of 64 requests and a raw replay
@@ -81,10 +81,10 @@ from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import open_engine
 from rollout.config import RolloutConfig
-from rollout.engine_servers import EngineNotInstalled, engine_server
 from rollout.engines.config import EngineConfig
+from rollout.engines.launch import EngineNotInstalled, engine_server
 from rollout.runner import RolloutRunner
-from rollout.serve_process import serve_processes
+from rollout.serve.processes import serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.registry import DEFAULT_TOOLS, build_tools
 

@@ -1,4 +1,4 @@
-"""The agent gateway (``rollout/gateway.py``) against clients that misbehave: malformed calls, unknown
+"""The agent gateway (``rollout/gateway/app.py``) against clients that misbehave: malformed calls, unknown
 and finished sessions, too many sessions, bad rewards, clients that walk away mid-call, agents that
 vanish, a thousand sessions at once, and streams that must say exactly what the JSON answer says.
 
