@@ -4,7 +4,8 @@ Every command that has settings reads them into its config tree (``rollout/confi
 ``trainer/config.py``): defaults, then ``--config FILE`` (YAML), then the flags given, then
 ``--set a.b=VALUE``. A flag not given leaves the file's value. ``rallyrl config --show`` prints the
 resolved tree. The work itself is in ``rollout.api``, ``trainer.grpo``, ``trainer.evaluation``
-and ``trainer.sft``.
+and ``trainer.sft``; the commands on files, data, ``serve`` and ``gateway`` are defined beside what
+they run (``_register_more_commands``), the options they share in ``data/command_options.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import orjson
 import typer
 
+from data.command_options import AGENT_HELP, CONFIG_HELP, ENGINE_SERVER_HELP, SET_HELP, given_config, load_config
+from data.command_options import errors_for_people as _errors_for_people
 from data.console import console
 from data.console import fail as _fail
 
@@ -27,22 +30,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-CONFIG_HELP = "YAML file of config fields (`rallyrl config --show` lists them); flags override it."
-SET_HELP = "Override any field, e.g. --set rollout.tool_timeout_s=5 (repeatable; the value is YAML)."
-AGENT_HELP = "Agent entry point, module:function or file.py:function, run through the agent gateway."
-ENGINE_SERVER_HELP = 'What serves --engine-url: "sglang" (or `rallyrl serve`), "vllm", or "auto" (ask it; default).'
 COMMANDS = ("rollout", "train", "eval", "serve", "sft", "gateway")
-
-
-@contextlib.contextmanager
-def _errors_for_people():
-    """Bad input (config, records, tools, templates, engines) -> one line and exit 2, no stack trace."""
-    from rollout.engines.base import EngineError
-
-    try:
-        yield
-    except (ValueError, EngineError) as exc:  # ConfigError, RecordError, SetupError, ... are ValueErrors
-        raise _fail(str(exc)) from None
 
 
 def _config_class(command: str) -> type:
@@ -57,17 +45,12 @@ def _config_class(command: str) -> type:
 
 def _given(command: str, path: Path | None, flags: dict[str, Any], sets: list[str] | None) -> dict[str, Any]:
     """What the YAML file, the flags given (dotted names) and --set say, in that order of precedence."""
-    from data.config_tree import given_values
-
-    flags = {key: str(value) if isinstance(value, Path) else value for key, value in flags.items()}
-    return given_values(_config_class(command), path, flags, sets)
+    return given_config(_config_class(command), path, flags, sets)
 
 
 def _load(command: str, path: Path | None, flags: dict[str, Any], sets: list[str] | None) -> Any:
     """The command's config: defaults < the YAML file < flags given < --set."""
-    from data.config_tree import build
-
-    return build(_config_class(command), _given(command, path, flags, sets))
+    return load_config(_config_class(command), path, flags, sets)
 
 
 @app.command("config")
@@ -325,121 +308,6 @@ def evaluate(
 
 
 @app.command()
-def serve(
-    config: Path = typer.Option(None, help=CONFIG_HELP),
-    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
-    model: Path = typer.Option(None, help="Model directory to serve (default: the embedded model)."),
-    host: str = typer.Option(None, help="Interface to bind (default 127.0.0.1, loopback)."),
-    port: int = typer.Option(None, help="Port (default 30000; 0: pick a free one and print it)."),
-    max_batch_size: int = typer.Option(None, help="Most sequences decoded together (default 256)."),
-    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
-    device: str = typer.Option(None, help='"auto", "cpu" or "cuda".'),
-    seed: int = typer.Option(None, help="Seed of the sampling generator."),
-    served_model_name: str = typer.Option(None, help="Model name in the OpenAI API."),
-    tool_parser: str = typer.Option(None, help="Tool-call parser of /v1/chat/completions (default qwen25)."),
-    reasoning_parser: str = typer.Option(None, help="Reasoning parser of /v1/chat/completions (default none)."),
-    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
-    fault_error_rate: float = typer.Option(None, help="Testing: share of /generate calls answered HTTP 500."),
-    fault_hang_rate: float = typer.Option(None, help="Testing: share of /generate calls held open unanswered."),
-    fault_drop_rate: float = typer.Option(None, help="Testing: share of /generate calls reset mid-response."),
-    fault_seed: int = typer.Option(None, help="Seed of the fault draws (the same calls fail in every run)."),
-    threads: int = typer.Option(None, help="torch intra-op threads."),
-) -> None:
-    """Serve a model with the embedded engine behind SGLang's HTTP API (and OpenAI's).
-    The --fault-* options make a share of /generate calls fail, to test clients (GET /fault_stats counts them)."""
-    flags = {
-        "model": model, "host": host, "port": port, "engine.max_batch_size": max_batch_size,
-        "engine.max_model_len": max_model_len, "engine.device": device, "seed": seed,
-        "served_model_name": served_model_name, "tool_parser": tool_parser,
-        "reasoning_parser": reasoning_parser, "api_key": api_key,
-        "faults.error_rate": fault_error_rate, "faults.hang_rate": fault_hang_rate,
-        "faults.drop_rate": fault_drop_rate, "faults.seed": fault_seed, "threads": threads,
-    }  # fmt: skip
-    with _errors_for_people():
-        serve_config = _load("serve", config, flags, set_)
-    try:
-        with _errors_for_people():
-            asyncio.run(_serve(serve_config))
-    except OSError as exc:  # the port is taken, the address cannot be bound
-        raise _fail(f"cannot serve on {serve_config.host}:{serve_config.port}: {exc.strerror or exc}") from None
-    except KeyboardInterrupt:
-        console.print("server stopped")
-
-
-async def _serve(config: Any) -> None:
-    import dataclasses
-
-    from rollout.api import resolve_model, set_threads
-    from rollout.engines.local import LocalEngine
-    from rollout.server import serve
-    from rollout.tokens import load_tokenizer
-
-    set_threads(config.threads)
-    model_dir = resolve_model(config.model)
-    config = dataclasses.replace(config, model=str(model_dir.resolve()))
-    engine_config = config.engine
-    if engine_config.seed is None:
-        engine_config = dataclasses.replace(engine_config, seed=config.seed)
-    ready = asyncio.Event()
-    async with LocalEngine.from_pretrained(model_dir, engine_config) as engine:
-        task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
-        await asyncio.wait([task, asyncio.create_task(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()  # raises the bind error
-        console.print(f"serving {model_dir} on http://{config.host}:{config.port}", highlight=False)
-        faults = config.faults
-        if faults is not None:
-            console.print(f"injecting faults into /generate: {faults.error_rate:.1%} errors, {faults.hang_rate:.1%} "
-                          f"hangs, {faults.drop_rate:.1%} drops (seed {faults.seed})", highlight=False)  # fmt: skip
-        await task
-
-
-@app.command()
-def gateway(
-    config: Path = typer.Option(None, help=CONFIG_HELP),
-    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
-    model: Path = typer.Option(None, help="Model directory (default: embedded); with --engine-url, its tokenizer."),
-    host: str = typer.Option(None, help="Interface to bind (default 127.0.0.1, loopback)."),
-    port: int = typer.Option(None, help="Port (default 8100; 0: pick a free one)."),
-    out: Path = typer.Option(None, help="JSONL of finished sessions, one trajectory each (default: sessions.jsonl)."),
-    sampling: str = typer.Option(None, help='"rollout": the config\'s sampling for every call (default); "request".'),
-    max_sessions: int = typer.Option(None, help="Most sessions open at once (default 4096)."),
-    max_turns: int = typer.Option(None, help="Most assistant turns per session."),
-    max_new_tokens: int = typer.Option(None, help="Most tokens per answer."),
-    max_model_len: int = typer.Option(None, help="Most tokens per conversation."),
-    temperature: float = typer.Option(None, help="Sampling temperature (with --sampling rollout)."),
-    reward: str = typer.Option(None, help="Reward of sessions none is posted for (data/reward_fns.py)."),
-    engine_url: list[str] = typer.Option(None, help="SGLang, vLLM or `rallyrl serve` server URL; repeat for a pool."),
-    engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
-    device: str = typer.Option(None, help='Embedded engine device: "auto", "cpu" or "cuda".'),
-    seed: int = typer.Option(None, help="Seed of the engine's sampling."),
-    threads: int = typer.Option(None, help="torch intra-op threads."),
-) -> None:
-    """The agent gateway: an OpenAI-compatible endpoint that records each agent run (a session) token
-    for token. POST /sessions opens one; its base URL goes to any OpenAI client; finished sessions
-    are written to --out as trajectories (train on them, `rallyrl show` them)."""
-    flags = {
-        "model": model, "gateway.host": host, "gateway.port": port, "out": out, "gateway.sampling": sampling,
-        "gateway.max_sessions": max_sessions, "rollout.max_turns": max_turns, "rollout.max_new_tokens": max_new_tokens,
-        "rollout.max_model_len": max_model_len, "rollout.temperature": temperature, "reward": reward,
-        "engine.urls": engine_url or None, "engine.server": engine_server, "engine.local.device": device,
-        "seed": seed, "threads": threads,
-    }  # fmt: skip
-    from rollout.api import serve_gateway
-
-    with _errors_for_people():
-        gateway_config = _load("gateway", config, flags, set_)
-    try:
-        with _errors_for_people():
-            asyncio.run(serve_gateway(gateway_config, console))
-    except OSError as exc:
-        raise _fail(f"cannot serve on {gateway_config.gateway.host}:{gateway_config.gateway.port}: "
-                    f"{exc.strerror or exc}") from None  # fmt: skip
-    except KeyboardInterrupt:
-        console.print(f"gateway stopped; finished sessions are in {gateway_config.out}")
-
-
-@app.command()
 def bench(
     workload: str = typer.Option("all", help="W1, W2, W3 or all (benchmarks/workloads.py)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller workloads: all three in under a minute."),
@@ -467,13 +335,17 @@ def bench(
 def _register_more_commands() -> None:
     """Commands on files and data, defined beside what they work on."""
     from data.commands import data_app, export_model, new_model
-    from rollout.file_commands import check, export_command, show_command
+    from rollout.files.commands import check, export_command, show_command
+    from rollout.gateway.command import gateway_command
+    from rollout.serve.command import serve_command
 
     app.command("new-model")(new_model)
     app.command("export-model")(export_model)
     app.command("check")(check)
     app.command("export")(export_command)
     app.command("show")(show_command)
+    app.command("serve")(serve_command)
+    app.command("gateway")(gateway_command)
     app.add_typer(data_app, name="data")
 
 

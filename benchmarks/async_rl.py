@@ -65,32 +65,27 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.async_rl_figures import add_time_to_sync_final, elapsed_times, observed_elapsed, step_walls, summarize
+from benchmarks.async_rl_report import WORKLOADS, clock_warning, fmt, plot, results_table
 from benchmarks.engines import machine_state
 from data.config_tree import ConfigError, build, merge_dotted, parse_set
-from data.files import atomic_write_bytes, atomic_write_with
+from data.files import atomic_write_bytes
 from trainer.config import EvalConfig, GRPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = {
-    "a": "calc task, rallyrl train defaults",
-    "b": "calc task, calculator behind a lognormal latency (median 0.3 s, sigma 1)",
-}
 MODES = ("sync", "async")
 SLOW_TOOL = {"median_s": 0.3, "sigma": 1.0}
 """Workload b's latency model of each calculator call."""
@@ -110,196 +105,6 @@ REQUIRED_KEYS = (
     "trainer_idle_fraction",
 )
 """What ``--json`` holds for every workload and mode (besides the extras)."""
-
-
-# ----- figures from metrics lines (pure) ---------------------------------------------------------
-
-
-def _number(value: Any) -> float | None:
-    """A metric as a float; None for a missing, null or NaN value."""
-    if value is None or isinstance(value, bool):
-        return None
-    value = float(value)
-    return None if math.isnan(value) else value
-
-
-def _column(lines: list[dict[str, Any]], key: str) -> list[float] | None:
-    """``key`` of every line, or None if any line lacks it."""
-    values = [_number(line.get(key)) for line in lines]
-    return None if not lines or any(v is None for v in values) else values  # type: ignore[return-value]
-
-
-def elapsed_times(lines: list[dict[str, Any]], mode: str) -> tuple[list[float] | None, str]:
-    """Wall seconds since training began at the end of each step, and where they came from:
-    ``time/elapsed_s``; else the sum of ``time/step_wall_s``; else, in sync mode only, the sum
-    of the phases (they run one after another there). None with ``"missing"`` otherwise."""
-    if (elapsed := _column(lines, "time/elapsed_s")) is not None:
-        return elapsed, "time/elapsed_s"
-    if (walls := _column(lines, "time/step_wall_s")) is not None:
-        return list(accumulate(walls)), "time/step_wall_s"
-    rollout, update = _column(lines, "time/rollout_s"), _column(lines, "time/update_s")
-    if mode == "sync" and rollout is not None and update is not None:
-        sync = _column(lines, "time/sync_s") or [0.0] * len(lines)
-        return list(accumulate(r + u + s for r, u, s in zip(rollout, update, sync, strict=True))), "phase sum"
-    return None, "missing"
-
-
-def step_walls(lines: list[dict[str, Any]], elapsed: list[float] | None) -> list[float] | None:
-    """Each step's wall: ``time/step_wall_s``, else the differences of the elapsed times."""
-    if (walls := _column(lines, "time/step_wall_s")) is not None:
-        return walls
-    if elapsed is None:
-        return None
-    return [t - before for t, before in zip(elapsed, [0.0, *elapsed[:-1]], strict=True)]
-
-
-def wall_weighted(values: list[float] | None, walls: list[float] | None) -> float | None:
-    """The mean of per-step shares weighted by each step's wall: the run's share."""
-    if values is None or walls is None or sum(walls) <= 0:
-        return None
-    return sum(v * w for v, w in zip(values, walls, strict=True)) / sum(walls)
-
-
-def idle_fractions(lines: list[dict[str, Any]], mode: str, walls: list[float] | None) -> tuple[float | None, ...]:
-    """The run's engine and trainer idle shares (see the module docstring for the sync fallback)."""
-    engine = wall_weighted(_column(lines, "time/engine_idle_fraction"), walls)
-    trainer_shares = _column(lines, "time/trainer_idle_fraction")
-    if trainer_shares is None and mode == "sync" and walls is not None:
-        update = _column(lines, "time/update_s")
-        sync = _column(lines, "time/sync_s") or [0.0] * len(lines)
-        if update is not None:
-            trainer_shares = [min(max(1.0 - (u + s) / w, 0.0), 1.0) if w > 0 else 0.0
-                              for u, s, w in zip(update, sync, walls, strict=True)]  # fmt: skip
-    return engine, wall_weighted(trainer_shares, walls)
-
-
-def token_weighted_staleness(lines: list[dict[str, Any]]) -> tuple[float | None, int | None]:
-    """Mean staleness over every token of the run (each step's mean weighted by its generated
-    tokens; by 1 per step where a line lacks them), and the largest of any step."""
-    means = [(_number(m.get("rollout/staleness_mean")), _number(m.get("rollout/generated_tokens"))) for m in lines]
-    means = [(value, 1.0 if tokens is None else tokens) for value, tokens in means if value is not None]
-    maxima = [v for m in lines if (v := _number(m.get("rollout/staleness_max"))) is not None]
-    weight = sum(tokens for _, tokens in means)
-    mean = sum(value * tokens for value, tokens in means) / weight if weight > 0 else (0.0 if means else None)
-    return mean, int(max(maxima)) if maxima else None
-
-
-def dropped_groups(lines: list[dict[str, Any]], mode: str) -> int | None:
-    """Groups regenerated for staleness over the run; a sync run without the key drops none."""
-    values = [v for m in lines if (v := _number(m.get("rollout/dropped"))) is not None]
-    if not values:
-        return 0 if mode == "sync" and lines else None
-    return int(sum(values))
-
-
-def time_to_accuracy(curve: list[dict[str, Any]], target: float | None) -> float | None:
-    """The elapsed time of the first point (in step order) whose accuracy reaches ``target``."""
-    if target is None:
-        return None
-    for point in sorted(curve, key=lambda p: p["step"]):
-        accuracy, elapsed = _number(point.get("accuracy")), _number(point.get("elapsed_s"))
-        if accuracy is not None and elapsed is not None and accuracy >= target - 1e-9:
-            return elapsed
-    return None
-
-
-def observed_elapsed(lines: list[dict[str, Any]], arrivals: dict[int, float],
-                     walls: list[float] | None) -> list[float] | None:  # fmt: skip
-    """The trainer-independent clock: when each step's line appeared, counted from the first
-    step's start (its line's arrival less its wall). Unlike ``time/elapsed_s`` it holds whatever
-    the trainer did between steps (checkpoint saves, logging)."""
-    if not lines or walls is None or any(int(m["step"]) not in arrivals for m in lines):
-        return None
-    origin = arrivals[int(lines[0]["step"])] - walls[0]
-    return [arrivals[int(m["step"])] - origin for m in lines]
-
-
-CPU_PHASES = ("time/rollout_cpu_s", "time/wait_cpu_s", "time/update_cpu_s", "time/sync_cpu_s")
-"""Process CPU seconds of a step's phases (every thread: the engine's, the update's); they
-follow one another in the trainer, so their sum is the step's CPU."""
-
-
-def step_cpu(line: dict[str, Any]) -> float | None:
-    values = [v for key in CPU_PHASES if (v := _number(line.get(key))) is not None]
-    return sum(values) if values else None
-
-
-def cpu_figures(lines: list[dict[str, Any]], walls: list[float] | None, cores: int) -> dict[str, float | None]:
-    """The run's CPU use: ``cpu_utilisation``, process CPU seconds over wall x cores; and
-    ``overlap_bound_s``, the least wall an ideal overlap of the same work could take on
-    ``cores`` cores: per step, the larger of the update's wall alone and all the step's CPU
-    spread over every core (meaningful for a synchronous run, whose phases are measured alone)."""
-    cpus = [step_cpu(line) for line in lines]
-    updates = _column(lines, "time/update_s")
-    if walls is None or not lines or any(c is None for c in cpus):
-        return {"cpu_utilisation": None, "overlap_bound_s": None}
-    used = sum(cpus) / (sum(walls) * cores) if sum(walls) > 0 else None  # type: ignore[arg-type]
-    bound = None
-    if updates is not None:
-        bound = sum(max(u, c / cores) for u, c in zip(updates, cpus, strict=True))  # type: ignore[operator]
-    return {"cpu_utilisation": used, "overlap_bound_s": bound}
-
-
-def binomial_stderr(accuracy: float | None, prompts: int) -> float | None:
-    if accuracy is None or prompts < 1:
-        return None
-    return math.sqrt(accuracy * (1 - accuracy) / prompts)
-
-
-def summarize(lines: list[dict[str, Any]], mode: str, curve: list[dict[str, Any]], eval_prompts: int,
-              cores: int = 1) -> dict[str, Any]:  # fmt: skip
-    """A run's figures: the required keys (``time_to_sync_final_accuracy_s`` left None: it needs
-    the sync run, ``add_time_to_sync_final``) and extras."""
-    elapsed, source = elapsed_times(lines, mode)
-    walls = step_walls(lines, elapsed)
-    engine_idle, trainer_idle = idle_fractions(lines, mode, walls)
-    staleness_mean, staleness_max = token_weighted_staleness(lines)
-    steps = int(lines[-1]["step"]) if lines else 0
-    wall = elapsed[-1] if elapsed else None
-    final_accuracy = next((_number(p["accuracy"]) for p in curve if p["step"] == steps), None)
-    return {
-        "wall_s": wall,
-        "steps": steps,
-        "final_accuracy": final_accuracy,
-        "time_to_sync_final_accuracy_s": None,
-        "staleness_mean": staleness_mean,
-        "staleness_max": staleness_max,
-        "dropped": dropped_groups(lines, mode),
-        "engine_idle_fraction": engine_idle,
-        "trainer_idle_fraction": trainer_idle,
-        "wall_per_step_s": wall / steps if wall is not None and steps else None,
-        "final_accuracy_stderr": binomial_stderr(final_accuracy, eval_prompts),
-        **cpu_figures(lines, walls, cores),
-        "elapsed_source": source,
-        "curve": curve,
-    }
-
-
-def add_time_to_sync_final(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Fill each mode's ``time_to_sync_final_accuracy_s`` of one workload against its sync run's
-    final accuracy; returns the workload's ratios (async over sync)."""
-    sync = results.get("sync") or {}
-    target = sync.get("final_accuracy")
-    for result in results.values():
-        result["time_to_sync_final_accuracy_s"] = time_to_accuracy(result.get("curve") or [], target)
-    other = results.get("async") or {}
-
-    def ratio(top: float | None, bottom: float | None) -> float | None:
-        return top / bottom if top is not None and bottom else None
-
-    accuracy_diff = stderr = None
-    if other.get("final_accuracy") is not None and target is not None:
-        accuracy_diff = other["final_accuracy"] - target
-        errors = [sync.get("final_accuracy_stderr"), other.get("final_accuracy_stderr")]
-        stderr = math.sqrt(sum(e**2 for e in errors)) if None not in errors else None
-    sync_wall = sync.get("wall_s")
-    return {
-        "async_wall_over_sync_wall": ratio(other.get("wall_s"), sync_wall),
-        "overlap_bound_over_sync_wall": ratio(sync.get("overlap_bound_s"), sync_wall),
-        "async_time_to_sync_final_over_sync_wall": ratio(other.get("time_to_sync_final_accuracy_s"), sync_wall),
-        "final_accuracy_async_minus_sync": accuracy_diff,
-        "final_accuracy_diff_stderr": stderr,
-    }
 
 
 # ----- runs ------------------------------------------------------------------------------------
@@ -445,8 +250,8 @@ def checkpoint_curve(run_dir: Path, lines: list[dict[str, Any]], mode: str, init
         step = int(checkpoint.name.split("-")[-1])
         curve.append({"step": step, "elapsed_s": at_step.get(step), "accuracy": evaluator.accuracy(str(checkpoint))})
     for point in curve:
-        console.print(f"    step {point['step']:>4}  {_fmt(point['elapsed_s'], '.1f', ' s')}  "
-                      f"accuracy {_fmt(point['accuracy'], '.3f')}", highlight=False)  # fmt: skip
+        console.print(f"    step {point['step']:>4}  {fmt(point['elapsed_s'], '.1f', ' s')}  "
+                      f"accuracy {fmt(point['accuracy'], '.3f')}", highlight=False)  # fmt: skip
     return curve
 
 
@@ -475,76 +280,6 @@ def run_one(workload: str, mode: str, settings: Settings, out: Path, evaluator: 
     observed = observed_elapsed(lines, training.arrivals, step_walls(lines, elapsed_times(lines, mode)[0]))
     return {**result, "wall_observed_s": observed[-1] if observed else None, "observed_elapsed_s": observed,
             "process_wall_s": training.process_wall_s, "run_dir": str(run_dir), "error": training.error}  # fmt: skip
-
-
-# ----- the report ------------------------------------------------------------------------------
-
-
-def _fmt(value: Any, spec: str, unit: str = "") -> str:
-    return "-" if value is None else f"{format(value, spec)}{unit}"
-
-
-def results_table(workload: str, results: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> Table:
-    bound = _fmt(ratios.get("overlap_bound_over_sync_wall"), ".2f")
-    caption = (f"async/sync wall {_fmt(ratios['async_wall_over_sync_wall'], '.2f')} (an ideal overlap of sync's "
-               f"work on these cores: {bound}); async reaches sync's final accuracy at "
-               f"{_fmt(ratios['async_time_to_sync_final_over_sync_wall'], '.2f')} of sync's wall; "
-               f"final accuracy async - sync {_fmt(ratios['final_accuracy_async_minus_sync'], '+.3f')} "
-               f"(± {_fmt(ratios['final_accuracy_diff_stderr'], '.3f')} stderr)")  # fmt: skip
-    table = Table(title=f"workload {workload}: {WORKLOADS[workload]}", caption=caption)
-    columns = ("mode", "steps", "wall s", "observed s", "s/step", "CPU used", "engine idle", "trainer idle",
-               "stale mean", "stale max", "dropped", "final accuracy", "t to sync final s")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column == "mode" else "right")
-    for mode, r in results.items():
-        accuracy = _fmt(r["final_accuracy"], ".3f")
-        if r.get("final_accuracy_stderr") is not None:
-            accuracy += f" ± {r['final_accuracy_stderr']:.3f}"
-        table.add_row(
-            mode + (" (failed)" if r.get("error") else ""), str(r["steps"]), _fmt(r["wall_s"], ".1f"),
-            _fmt(r.get("wall_observed_s"), ".1f"), _fmt(r.get("wall_per_step_s"), ".2f"),
-            _fmt(r.get("cpu_utilisation"), ".0%"), _fmt(r["engine_idle_fraction"], ".0%"),
-            _fmt(r["trainer_idle_fraction"], ".0%"),
-            _fmt(r["staleness_mean"], ".2f"), _fmt(r["staleness_max"], "d"), _fmt(r["dropped"], "d"), accuracy,
-            _fmt(r["time_to_sync_final_accuracy_s"], ".1f"),
-        )  # fmt: skip
-    return table
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Held-out greedy accuracy against training wall time, one panel per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(report["results"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
-    for axis, workload in zip(axes[0], workloads, strict=True):
-        for mode, result in report["results"][workload].items():
-            points = [p for p in result.get("curve") or [] if p["elapsed_s"] is not None and p["accuracy"] is not None]
-            axis.plot([p["elapsed_s"] for p in points], [p["accuracy"] for p in points], marker="o", markersize=4,
-                      label=f"{mode} ({result['steps']} steps)")  # fmt: skip
-        target = report["results"][workload].get("sync", {}).get("final_accuracy")
-        if target is not None:
-            axis.axhline(target, color="grey", linestyle="--", linewidth=1, label="sync final")
-        axis.set_title(f"{workload}: {WORKLOADS[workload]}", fontsize=9)
-        axis.set_xlabel("training wall time (s)")
-        axis.set_ylabel(f"held-out greedy accuracy ({report['settings']['eval_prompts']} prompts)")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110))
-    plt.close(fig)
-
-
-def clock_warning(name: str, result: dict[str, Any]) -> str | None:
-    """A warning where the trainer's clock and the observed one differ by more than 3 % (and 1 s)."""
-    wall, observed = result["wall_s"], result["wall_observed_s"]
-    if wall is None or observed is None or abs(observed - wall) <= max(1.0, 0.03 * wall):
-        return None
-    return (f"{name}: the trainer's clock says {wall:.1f} s, its metrics lines appeared over {observed:.1f} s "
-            "(between steps: checkpoint saves, logging)")  # fmt: skip
 
 
 def run_benchmark(workloads: list[str], modes: list[str], settings: Settings, out: Path, console: Console,

@@ -15,7 +15,7 @@ Rows:
 
 - ``embedded``: the embedded engine in this process (no server, so no raw row).
 - ``serve``: ``rallyrl serve`` in a subprocess, with ``--threads`` = this machine's cores.
-- ``sglang``, ``vllm``: the real engines from their virtualenvs (``rollout/engine_servers.py``);
+- ``sglang``, ``vllm``: the real engines from their virtualenvs (``rollout/engines/launch.py``);
   a missing virtualenv skips its row with the command that installs it.
 
 On each server: an untimed warm-up (a rallyrl run of one full set of 64 requests and a raw replay
@@ -55,7 +55,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import subprocess
 import tempfile
 import time
@@ -65,7 +64,6 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.engine_clients import (
     Call,
@@ -77,14 +75,15 @@ from benchmarks.engine_clients import (
     TimedEngine,
     replay_calls,
 )
+from benchmarks.engines_report import breakdown, results_table
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import open_engine
 from rollout.config import RolloutConfig
-from rollout.engine_servers import EngineNotInstalled, engine_server
 from rollout.engines.config import EngineConfig
+from rollout.engines.launch import EngineNotInstalled, engine_server
 from rollout.runner import RolloutRunner
-from rollout.serve_process import serve_processes
+from rollout.serve.processes import serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.registry import DEFAULT_TOOLS, build_tools
 
@@ -278,95 +277,10 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def cores(run: Run, value: float | None) -> float:
-    """CPU seconds of a run as cores busy on average (0 where unknown)."""
-    return (value or 0.0) / run.wall_s if run.wall_s > 0 else 0.0
-
-
 def hottest(profiler: cProfile.Profile, count: int = 15) -> str:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(count)
     return out.getvalue()
-
-
-# ----- report ------------------------------------------------------------------------------------
-
-
-def spread(values: list[float], fmt: str) -> str:
-    if not values:
-        return "-"
-    median = format(statistics.median(values), fmt)
-    return median if len(values) == 1 else f"{median} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
-def results_table(rows: list[Row]) -> Table:
-    table = Table(title="calc rollout, same workload on each engine (median, range over repeats)")
-    for column in ("engine", "client", "start-up s", "runs", "calls", "output tokens", "wall s", "tokens/s",
-                   "client CPU s", "others' cores", "rallyrl / raw"):  # fmt: skip
-        table.add_column(column, justify="left" if column in ("engine", "client") else "right")
-    for row in rows:
-        if row.skipped:
-            table.add_row(row.engine, "skipped", *["-"] * 9)
-            continue
-        for client in ("rallyrl", "raw"):
-            runs = row.of(client)
-            if not runs:
-                continue
-            ratio = spread(row.ratios(), ".3f") if client == "rallyrl" and row.of("raw") else ""
-            startup = f"{row.startup_s:.1f}" if client == "rallyrl" and row.startup_s is not None else ""
-            table.add_row(
-                row.engine if client == "rallyrl" else "", client, startup, str(len(runs)),
-                str(runs[0].calls), f"{runs[0].output_tokens:,}", spread([r.wall_s for r in runs], ".1f"),
-                spread([r.tokens_per_s for r in runs], ",.0f"), spread([r.cpu.client_s for r in runs], ".1f"),
-                spread([cores(r, r.cpu.others_s) for r in runs], ".2f"), ratio,
-            )  # fmt: skip
-    return table
-
-
-def breakdown(row: Row, concurrency: int) -> tuple[Table, str]:
-    """Where rallyrl's tokens/s went against raw's on one server, medians over repeats."""
-
-    def med(client: str, value: Any) -> float:
-        return statistics.median(value(run) for run in row.of(client))
-
-    table = Table(title=f"{row.engine}: rallyrl vs raw, where the time goes (medians)")
-    for column in ("measure", "rallyrl", "raw", "rallyrl / raw"):
-        table.add_column(column, justify="left" if column == "measure" else "right")
-    measures = [
-        ("output tokens/s", lambda r: r.tokens_per_s, ",.0f"),
-        (f"calls in flight (of {concurrency})", lambda r: r.profile.in_flight, ".1f"),
-        ("tokens per call-second", lambda r: r.profile.tokens_per_call_s, ".1f"),
-        ("call latency ms", lambda r: 1000 * r.profile.latency_s, ".0f"),
-        ("gap between a request's calls ms", lambda r: 1000 * r.profile.gap_s, ".1f"),
-        ("client CPU s", lambda r: r.cpu.client_s, ".1f"),
-        ("client CPU, cores", lambda r: cores(r, r.cpu.client_s), ".2f"),
-        ("server CPU, cores", lambda r: cores(r, r.cpu.server_s), ".2f"),
-        ("other processes' CPU, cores", lambda r: cores(r, r.cpu.others_s), ".2f"),
-    ]
-    if all(run.profile.cached_share is not None for run in row.runs) and any(r.profile.cached_share for r in row.runs):
-        measures.append(("prompt tokens cached %", lambda r: 100 * r.profile.cached_share, ".0f"))
-    if all(run.profile.outside_server_s is not None for run in row.runs):
-        measures.append(("call latency outside the server ms", lambda r: 1000 * r.profile.outside_server_s, ".1f"))
-    for name, value, fmt in measures:
-        ours, theirs = med("rallyrl", value), med("raw", value)
-        quotient = f"{ours / theirs:.3f}" if theirs else "-"
-        table.add_row(name, format(ours, fmt), format(theirs, fmt), quotient)
-    in_flight = med("rallyrl", lambda r: r.profile.in_flight) / med("raw", lambda r: r.profile.in_flight)
-    speed = med("rallyrl", lambda r: r.profile.tokens_per_call_s) / med("raw", lambda r: r.profile.tokens_per_call_s)
-    client = med("rallyrl", lambda r: cores(r, r.cpu.client_s)) - med("raw", lambda r: cores(r, r.cpu.client_s))
-    others = [med(name, lambda r: cores(r, r.cpu.others_s)) for name in ("rallyrl", "raw")]
-    text = (
-        f"{row.engine}: rallyrl/raw {statistics.median(row.ratios()):.3f} ~ {in_flight:.3f} (calls kept at the server: "
-        f"the rest of the time its requests were between calls: tools, parsing, rendering, scoring) x {speed:.3f} "
-        f"(the server's speed per call: rallyrl's client used {client:+.2f} cores more than raw's, and other "
-        f"processes {others[0]:.2f} cores during rallyrl's runs, {others[1]:.2f} during raw's, on a machine of "
-        f"{os.cpu_count()} shared with the server)."
-    )
-    raw_rates = [run.tokens_per_s for run in row.of("raw")]
-    if len(raw_rates) > 1:
-        noise = (max(raw_rates) - min(raw_rates)) / statistics.median(raw_rates)
-        text += f" The raw client's own tokens/s spread over {noise:.0%} of its median across repeats: the noise floor."
-    return table, text
 
 
 def machine_state() -> dict[str, Any]:

@@ -4,7 +4,7 @@
 
 (a) The same calc conversations (``data.synthetic.make_calc_records``) run three ways on one engine:
 ``native``, ``rollout.loop.run_request`` with the calculator tool; through an in-process ``Gateway``
-driven by ``rollout.agents.AgentDriver`` (as ``rallyrl train`` runs an agent), ``aiohttp``, the
+driven by ``rollout.gateway.agents.AgentDriver`` (as ``rallyrl train`` runs an agent), ``aiohttp``, the
 ``data.agents.calc_openai`` loop over one shared aiohttp session (what the gateway itself costs),
 and ``openai``, ``calc_openai.run`` as written (``openai.AsyncOpenAI``, a new client per run). The
 rounds rotate the order of the ways, ``--rounds`` of each, on two engines: a deterministic double
@@ -44,11 +44,11 @@ from rich.table import Table
 from data.agents import calc_openai
 from data.schema import Record
 from data.synthetic import calc_trace, make_calc_records
-from rollout.agents import AgentDriver
 from rollout.api import open_engine, resolve_model
 from rollout.config import EngineConfig, GatewayConfig, RolloutConfig
 from rollout.engines.base import Generation, SamplingParams
 from rollout.gateway import Gateway
+from rollout.gateway.agents import AgentDriver
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import old_objects_frozen, request_from_record

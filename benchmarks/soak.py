@@ -12,7 +12,7 @@ through a pool (``rollout/engines/pool.py``) and writes JSONL as requests finish
 Printed: requests in, completed, errored, lost (must be 0), duplicated (must be 0), every
 JSONL line valid, create/release balance, peak RSS; then PASS, or FAIL with what went wrong and
 exit status 1. Not part of CI (it takes minutes); ``--requests 200`` is a quick check. Servers
-are started with ``rollout/serve_process.py``.
+are started with ``rollout/serve/processes.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rollout.engines.config import PoolConfig, SGLangHTTPConfig
 from rollout.engines.pool import EnginePool
 from rollout.request import validate_trajectory
 from rollout.runner import RolloutRunner
-from rollout.serve_process import ServeProcess, start_serve, wait_healthy
+from rollout.serve.processes import ServeProcess, start_serve, wait_healthy
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import ToolError, ToolResponse
 from tools.calculator import CalculatorTool

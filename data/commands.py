@@ -88,7 +88,7 @@ def export_model(
 ) -> None:
     """Merge a LoRA adapter into its base model (named in its adapter_config.json) and write a plain
     model directory that SGLang, vLLM and every rallyrl command load as is."""
-    from rollout.adapters import AdapterError, export_merged, is_adapter_dir
+    from rollout.engines.adapter_dirs import AdapterError, export_merged, is_adapter_dir
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise _fail(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")

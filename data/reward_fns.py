@@ -4,7 +4,7 @@ of one per record by its ``data_source``.
 A reward function takes the finished ``AsyncRolloutRequest`` and returns a float, or None when
 its reward is *missing* (a failed LLM judgment: the trainer leaves such a request out of its
 group's statistics rather than count it as 0). It may also be ``async`` (return an awaitable),
-as the LLM judge's is (``rollout/judge.py``). Every built-in reward lies in [0, 1]; a spec
+as the LLM judge's is (``rollout/users/judge.py``). Every built-in reward lies in [0, 1]; a spec
 weighs them:
 
     "math"                                          the graded final answer, for every record

@@ -1,6 +1,6 @@
 """Seeded synthetic tasks. ``calc``: multi-digit arithmetic that calls for the calculator tool;
 ``calc-retry``: the same problems with ``interaction_kwargs`` for the answer checker, which tells
-the model when its answer is wrong and lets it try again (``rollout/interactions.py``).
+the model when its answer is wrong and lets it try again (``rollout/users/interactions.py``).
 
 A problem looks like ``What is 4821 * 377 + 1290?``: 1 to ``max_ops`` operators from ``+ - *``
 between operands of ``min_digits`` to ``max_digits`` digits, with the usual precedence, so the

@@ -1,0 +1,3 @@
+from rollout import _moved
+
+_moved.install()

@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from data.reward_fns import RewardFn
 from data.schema import Record
-from rollout.adapters import AdapterError, is_adapter_dir, merged_model_dir
 from rollout.config import GatewayConfig, GatewayJobConfig, JudgeConfig, PromptsConfig, RolloutConfig, RolloutJobConfig
+from rollout.engines.adapter_dirs import AdapterError, is_adapter_dir, merged_model_dir
 from rollout.engines.base import Engine
 from rollout.engines.config import EngineConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from rollout.agents import AgentDriver
-    from rollout.judge import Judge
+    from rollout.gateway.agents import AgentDriver
     from rollout.runner import RolloutResult, RolloutSummary
     from rollout.tokens import ChatTokenizer
+    from rollout.users.judge import Judge
     from tools.base import BaseTool
 
 
@@ -47,7 +47,7 @@ class SetupError(ValueError):
 def resolve_model(model: str | Path | None) -> Path:
     """The model directory to use: ``model``, or the embedded model. Any directory with a
     ``config.json`` is one, training checkpoints (``out/checkpoints/step-N``) and ``out/final`` included;
-    a LoRA adapter directory gives its base model with the adapter merged (``rollout/adapters.py``)."""
+    a LoRA adapter directory gives its base model with the adapter merged (``rollout/engines/adapter_dirs.py``)."""
     if model is None:
         from data.tiny_model import EMBEDDED_MODEL
 
@@ -110,7 +110,7 @@ def setup_interactions(path: str | Path | None) -> dict[str, Any]:
     """The interactions of an interaction config (verl's ``interaction:`` list), by name; none without one."""
     if path is None:
         return {}
-    from rollout.interactions import load_interactions
+    from rollout.users.interactions import load_interactions
 
     return load_interactions(path)
 
@@ -126,7 +126,7 @@ def make_judge(config: JudgeConfig) -> Judge | None:
     """The judge of ``config.url`` (enter it with ``async with``), or None without a URL."""
     if not config.url:
         return None
-    from rollout.judge import Judge
+    from rollout.users.judge import Judge
 
     return Judge(config.url, config)
 
@@ -210,8 +210,8 @@ async def agent_gateway(config: RolloutCommand, engine: Engine, tokenizer: Any, 
     if not config.agent:
         yield None
         return
-    from rollout.agents import AgentDriver, load_agent
     from rollout.gateway import Gateway
+    from rollout.gateway.agents import AgentDriver, load_agent
 
     agent = load_agent(config.agent)
     async with Gateway(engine, tokenizer, config.gateway, config.rollout, reward_fn=reward_fn,
@@ -234,7 +234,7 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     tools, chat = setup_tools(config.tools, tokenizer)
     interactions = setup_interactions(config.interactions)
     if config.agent:
-        from rollout.agents import load_agent
+        from rollout.gateway.agents import load_agent
 
         load_agent(config.agent)  # a bad entry point fails before the engine starts
     judge = make_judge(config.judge)

@@ -106,7 +106,7 @@ class RolloutConfig:
 
 @dataclass
 class JudgeConfig:
-    """An LLM judge (``rollout/judge.py``) for the ``judge`` reward: a server's OpenAI-compatible URL."""
+    """An LLM judge (``rollout/users/judge.py``) for the ``judge`` reward: a server's OpenAI-compatible URL."""
 
     url: str | None = None
     """OpenAI-compatible URL of the judge model (``.../v1`` or its ``/chat/completions``); the
@@ -158,7 +158,7 @@ class JudgeConfig:
 
 @dataclass
 class GatewayConfig:
-    """The agent gateway (``rollout/gateway.py``): an OpenAI-compatible endpoint that records each
+    """The agent gateway (``rollout/gateway/app.py``): an OpenAI-compatible endpoint that records each
     agent run as a session, token for token, for training."""
 
     host: str = "127.0.0.1"
@@ -334,7 +334,7 @@ class ServeConfig(CommonConfig):
     engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     """The embedded engine behind the server."""
     faults: FaultConfig | None = None
-    """Faults to inject into /generate, for testing clients (``rollout/faults.py``); None: none."""
+    """Faults to inject into /generate, for testing clients (``rollout/serve/faults.py``); None: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

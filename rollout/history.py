@@ -13,7 +13,7 @@ consistency check renders the conversation with each assistant turn's text as ge
 that differs it applies the declared rewrite to the tokens' own text: if the template's rendering is
 then matched, the request records a ``history_rewrite`` (expected, counted apart); anything else is
 a real mismatch (``consistency_diff``). An agent that rewrites its own history through the gateway
-starts a new sample instead (``rollout/gateway_session.py``).
+starts a new sample instead (``rollout/gateway/session.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One rollout request: its state, tokens, tool calls, rewards, metrics and trace.
 
 States: PENDING -> RUNNING -> ((TOOL_CALLING | INTERACTING) -> RUNNING)* -> COMPLETED, where
-INTERACTING is the user's turn (an interaction, ``rollout/interactions.py``). Every transition is
+INTERACTING is the user's turn (an interaction, ``rollout/users/interactions.py``). Every transition is
 appended to ``trace`` with a ``time.monotonic()`` timestamp; ``metrics.state_seconds`` adds up
 the time spent in each state.
 """
@@ -61,7 +61,7 @@ class InteractionTurn:
 
 @dataclass
 class Segment:
-    """An earlier sample of a gateway session (``rollout/gateway_session.py``): the agent rewrote the
+    """An earlier sample of a gateway session (``rollout/gateway/session.py``): the agent rewrote the
     conversation after it (truncated, summarised, edited), so the session went on in a new sample.
     It is trained like the request's own tokens, with the session's reward; the request's own
     ``prompt_ids``/``response_ids`` are the session's last sample."""
@@ -102,7 +102,7 @@ class Rewards:
     answer: float | None = None  # the final answer graded against ground_truth (None without one)
     final: float | None = 0.0  # what the trainer optimises; None: missing (a failed judgment), not trained on
     judge: float | None = None  # the LLM judge's score in [0, 1] (None: not judged, or the judgment failed)
-    judge_error: str | None = None  # why the judgment failed (rollout/judge.py); the only reason final may be None
+    judge_error: str | None = None  # why the judgment failed (rollout/users/judge.py); the only reason final is None
     reward_error: str | None = None  # why the reward function raised (final stays 0.0); not trained on
     interaction: float | None = None  # the interaction's calculate_score (None: no interaction)
     turn_scores: list[float] = field(default_factory=list)  # the interaction's score of each user turn

@@ -34,7 +34,7 @@ from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
 
 if TYPE_CHECKING:
-    from rollout.agents import AgentDriver
+    from rollout.gateway.agents import AgentDriver
 
 
 @dataclass
@@ -139,7 +139,7 @@ class RolloutRunner:
         self.engine, self.chat, self.tools = engine, chat, tools
         self.interactions = interactions
         self.agent = agent
-        """An agent entry point driving each request through the gateway (``rollout/agents.py``), or None:
+        """An agent entry point driving each request through the gateway (``rollout/gateway/agents.py``), or None:
         rallyrl's own loop (``run_request``) with ``tools`` and ``interactions``."""
         self.config = config or RolloutConfig()
         if max_concurrency is not None and max_concurrency < 1:

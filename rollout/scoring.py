@@ -25,7 +25,7 @@ from tools.base import BaseTool
 class UserTurns:
     """The interaction (the user's side) of one request: which one, its instance and its kwargs."""
 
-    interaction: Any  # rollout.interactions.BaseInteraction or any class with verl's interface
+    interaction: Any  # rollout.users.interactions.BaseInteraction or any class with verl's interface
     kwargs: dict[str, Any]  # the record's interaction_kwargs, given to each of its coroutines
     instance_id: str | None = None  # set once start_interaction returned
 
@@ -80,7 +80,7 @@ async def score_request(
             result = await result
         final = math.nan if result is None else float(result)
         if math.isnan(final) and request.rewards.judge_error is not None:
-            request.rewards.final = None  # missing, never 0: the judgment failed (see rollout/judge.py)
+            request.rewards.final = None  # missing, never 0: the judgment failed (see rollout/users/judge.py)
         elif not math.isfinite(final):
             raise ValueError(f"gave {result!r}, not a finite number")
         else:

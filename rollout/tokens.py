@@ -17,7 +17,7 @@
   prompt, tool schemas) once.
 - Where the template does nothing with a content but print it (or test whether it is empty),
   a conversation is rendered as the template's own text around the contents, computed once
-  per shape (roles, empty contents) and checked on probe contents (``_around_contents``); plain
+  per shape (roles, empty contents) and checked on probe contents (``rollout/template_pieces.py``); plain
   ASCII text is encoded and decoded in Python for byte-level BPE tokenizers, checked against
   the Rust tokenizer (``rollout/ascii_tokens.py``).
 """
@@ -31,6 +31,17 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rollout.ascii_tokens import AsciiDecoder
+from rollout.template_pieces import (
+    MAX_STRUCTURES,
+    Render,
+    Shape,
+    TemplateError,
+    around_contents,
+    direct_renderer,
+    joined,
+    same_backend,
+    shape_of,
+)
 from rollout.tokenizer_files import MODEL_STOP_IDS, load_tokenizer
 from rollout.transcript import SegmentSplitter, Transcript, fast_encoder
 
@@ -41,117 +52,6 @@ _BASE_MESSAGES = [
     {"role": "user", "content": "base user turn"},
     {"role": "assistant", "content": _SENTINEL},
 ]
-
-
-_CONTENT = "\u2063RALLYRL-CONTENT-{}\u2063"
-_PROBE_CONTENTS = (
-    "", " ", "x", "  two words \n", '\n<tool_call>{"a": [1, "b"]}</tool_call>\n', "<tool_response>", "</think>",
-    "a\tb\r", "&<>\"'\\", "{{ x }} {% y %}", "\u65e5\u672c \U0001f600", "None", "0",
-)  # fmt: skip
-"""Contents a template must put in verbatim before the text around contents is reused."""
-_FULL_PROBES = tuple(content for content in _PROBE_CONTENTS if content)
-
-def _same_backend(tokenizer: PreTrainedTokenizerBase, probe: str) -> Any:
-    """The Rust tokenizer behind a fast tokenizer when calling it directly gives the same ids and
-    text as the transformers wrapper on ``probe`` (a rendered conversation, special tokens and
-    all), else None. Skipping the wrapper saves tens of microseconds a call, every turn."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    try:
-        ids = tokenizer.encode(probe, add_special_tokens=False)
-        same_ids = backend.encode(probe, add_special_tokens=False).ids == ids
-        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        same_text = backend.decode(ids, skip_special_tokens=False) == text
-    except Exception:  # an unusual backend: keep the wrapper
-        return None
-    return backend if same_ids and same_text else None
-
-
-Render = Any  # (messages, add_generation_prompt) -> str
-
-_MAX_STRUCTURES = 1024
-"""Conversation shapes whose template pieces are kept (past that, new shapes are rendered every time)."""
-
-
-def _direct_renderer(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> Render | None:
-    """The compiled chat template called as ``apply_chat_template`` calls it, for plain messages;
-    None where the wrapper must be kept (the check is in ``ChatTokenizer.__init__``)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
-
-        compiled = _compile_jinja_template(tokenizer.get_chat_template(None, tools))
-        plain_tools = _plain_template_data(tools)
-        kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
-    except Exception:  # another transformers: keep the wrapper
-        return None
-
-    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return compiled.render(
-            messages=messages, tools=plain_tools, documents=None, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-
-    return render
-
-
-class _Watched(str):
-    """A message content that notes whether the template did anything with it but print it or
-    test whether it is empty: any other test, comparison, filter or method call on it sets its
-    ``read`` (concatenation does not)."""
-
-    read = False
-
-    def __bool__(self) -> bool:  # ``{% if content %}``: the pieces are kept per emptiness of each content
-        return str.__len__(self) > 0
-
-
-def _watch(name: str) -> Any:
-    method = getattr(str, name)
-
-    def watched(self: _Watched, *args: Any, **kwargs: Any) -> Any:
-        object.__setattr__(self, "read", True)
-        return method(self, *args, **kwargs)
-
-    return watched
-
-
-_UNWATCHED = {"__str__", "__repr__", "__add__", "__new__", "__init__", "__getattribute__", "__setattr__", "__class__",
-              "__init_subclass__", "__subclasshook__", "__getnewargs__", "__reduce__", "__reduce_ex__", "__sizeof__",
-              "__dir__", "__doc__"}  # fmt: skip
-"""What printing, concatenating and building the content use: not a look at what it holds."""
-for _name in dir(str):
-    if _name not in _UNWATCHED and callable(getattr(str, _name)):
-        setattr(_Watched, _name, _watch(_name))
-
-
-_Shape = tuple[tuple[str, bool], ...]
-"""A conversation's roles, and whether each content is empty: what template pieces are kept by."""
-
-
-def _shape(messages: list[dict[str, Any]]) -> _Shape | None:
-    """The shape of plain messages (only ``role`` and ``content`` strings: what the wrapper would pass
-    to the template unchanged); None for any other."""
-    shape = []
-    for message in messages:
-        if type(message) is not dict or len(message) != 2:
-            return None
-        role, content = message.get("role"), message.get("content")
-        if type(role) is not str or type(content) is not str:
-            return None
-        shape.append((role, not content))
-    return tuple(shape)
-
-
-def _joined(pieces: list[str], contents: list[str]) -> str:
-    """Template pieces with the contents between them: ``pieces[0] + contents[0] + pieces[1] + ...``."""
-    text = pieces[0]
-    for content, piece in zip(contents, pieces[1:], strict=True):
-        text += content + piece
-    return text
-
-
-class TemplateError(ValueError):
-    """The chat template cannot be used for incremental (delta) rendering."""
 
 
 @dataclass
@@ -178,16 +78,16 @@ class ChatTokenizer:
         self._ascii_decode: AsciiDecoder | None = None
         self._splitter: SegmentSplitter | None = None
         self._direct: Render | None = None
-        self._pieces: dict[_Shape, list[str] | None] = {}  # a delta's, by the shape of its messages
-        self._conversations: dict[tuple[_Shape, bool], list[str] | None] = {}  # (shape, generation prompt)
+        self._pieces: dict[Shape, list[str] | None] = {}  # a delta's, by the shape of its messages
+        self._conversations: dict[tuple[Shape, bool], list[str] | None] = {}  # (shape, generation prompt)
         base_text = self.render(_BASE_MESSAGES)
-        direct = _direct_renderer(tokenizer, self.tools)
+        direct = direct_renderer(tokenizer, self.tools)
         tool_turns = [{"role": "tool", "content": " t\n"}, {"role": "tool", "content": ""}]
         probes = [(_BASE_MESSAGES, False), (_BASE_MESSAGES[:1], True),
                   ([{"role": "system", "content": "s"}, *_BASE_MESSAGES, *tool_turns], True)]  # fmt: skip
         if direct is not None and all(direct(m, g) == self.render(m, g) for m, g in probes):
             self._direct = direct
-        self._backend = _same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
+        self._backend = same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
         self._splitter = SegmentSplitter.of(self._backend)
         self._encode = None if self._backend is None else fast_encoder(self._backend)
         self._ascii_decode = None if self._backend is None else AsciiDecoder.of(self._backend)
@@ -220,26 +120,26 @@ class ChatTokenizer:
     # ----- rendering ------------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        shape = None if self._direct is None else _shape(messages)
+        shape = None if self._direct is None else shape_of(messages)
         if shape is not None:
             pieces = self._conversation_pieces(shape, add_generation_prompt)
             if pieces is None:
                 return self._direct(messages, add_generation_prompt)
-            return _joined(pieces, [message["content"] for message in messages])
+            return joined(pieces, [message["content"] for message in messages])
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def _conversation_pieces(self, shape: _Shape, add_generation_prompt: bool) -> list[str] | None:
+    def _conversation_pieces(self, shape: Shape, add_generation_prompt: bool) -> list[str] | None:
         """The template's text around the contents of a conversation of this shape, when it
-        prints each content verbatim and does nothing else with it (``_around_contents``); None
+        prints each content verbatim and does nothing else with it (``around_contents``); None
         where it does not (the conversation is then rendered every time)."""
         key = (shape, add_generation_prompt)
         if key not in self._conversations:
-            if len(self._conversations) >= _MAX_STRUCTURES:
+            if len(self._conversations) >= MAX_STRUCTURES:
                 return None
             direct = self._direct
-            self._conversations[key] = self._around_contents(
+            self._conversations[key] = around_contents(
                 shape, lambda messages: direct(messages, add_generation_prompt)
             )
         return self._conversations[key]
@@ -320,14 +220,14 @@ class ChatTokenizer:
 
     def delta(self, new_messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The text and ids of ``new_messages`` plus the next generation prompt."""
-        shape = _shape(new_messages)
+        shape = shape_of(new_messages)
         pieces = None if shape is None else self._delta_pieces(shape)
         if pieces is None:
             text = self._rendered_delta(new_messages)
             return text, self._splitter.encode(text) if self._splitter is not None else self.encode(text)
         # the template's own text around the contents, rendered (and its segments encoded) once for this shape
         contents = [message["content"] for message in new_messages]
-        text = _joined(pieces, contents)
+        text = joined(pieces, contents)
         if self._splitter is None:
             return text, self.encode(text)
         ids = self._splitter.encode_around(pieces, contents)
@@ -343,16 +243,16 @@ class ChatTokenizer:
             )
         return full[len(self._base_text) :]
 
-    def _delta_pieces(self, shape: _Shape) -> list[str] | None:
-        """The delta of messages of this shape as the text around their contents (``_around_contents``),
+    def _delta_pieces(self, shape: Shape) -> list[str] | None:
+        """The delta of messages of this shape as the text around their contents (``around_contents``),
         None where the template does not print contents as they are (the delta is then rendered
         every time). A TemplateError if the template rewrites history."""
         if shape not in self._pieces:
-            if self._direct is None or len(self._pieces) >= _MAX_STRUCTURES:
+            if self._direct is None or len(self._pieces) >= MAX_STRUCTURES:
                 return None
             empty = [{"role": role, "content": ""} for role, _ in shape]
             self._rendered_delta(empty)  # a TemplateError where the template rewrites history
-            self._pieces[shape] = self._around_contents(shape, self._direct_delta)
+            self._pieces[shape] = around_contents(shape, self._direct_delta)
         return self._pieces[shape]
 
     def _direct_delta(self, messages: list[dict[str, Any]]) -> str:
@@ -360,45 +260,6 @@ class ChatTokenizer:
         if not full.startswith(self._base_text):
             raise TemplateError("the chat template changes earlier turns")
         return full[len(self._base_text) :]
-
-    @staticmethod
-    def _around_contents(shape: _Shape, text_of: Callable[[list[dict[str, Any]]], str]) -> list[str] | None:
-        """The text ``text_of`` gives around the contents of messages of this shape (roles, and which
-        contents are empty), one piece more than messages, when it puts each content in verbatim and
-        does nothing else with it: nothing but a test for emptiness touches a content (``_Watched``),
-        each appears once, and probe contents (``_PROBE_CONTENTS``) come out as the pieces say. Then
-        its output depends on the shape alone, and joining the pieces with the contents is
-        rendering. None where any of that fails."""
-        sentinels = ["" if empty else _CONTENT.format(i) for i, (_, empty) in enumerate(shape)]
-        try:
-            text = text_of([{"role": r, "content": c} for (r, _), c in zip(shape, sentinels, strict=True)])
-            watched = [_Watched(c) for c in sentinels]
-            if text_of([{"role": r, "content": c} for (r, _), c in zip(shape, watched, strict=True)]) != text:
-                return None
-        except TemplateError:
-            return None
-        if any(content.read for content in watched):
-            return None
-        pieces = []
-        for sentinel in sentinels:
-            if not sentinel:  # an empty content: anywhere will do
-                pieces.append("")
-                continue
-            before, found, text = text.partition(sentinel)
-            if not found or sentinel in text:
-                return None
-            pieces.append(before)
-        pieces.append(text)
-        for i in range(len(_FULL_PROBES)):
-            contents = ["" if e else _FULL_PROBES[(i + k) % len(_FULL_PROBES)] for k, (_, e) in enumerate(shape)]
-            probe = [{"role": r, "content": c} for (r, _), c in zip(shape, contents, strict=True)]
-            try:
-                expected = text_of(probe)
-            except TemplateError:
-                return None
-            if expected != _joined(pieces, contents):
-                return None
-        return pieces
 
     # ----- the transcript: the incremental check ----------------------------------------------
 

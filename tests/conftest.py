@@ -168,7 +168,7 @@ async def serving(engine: Any, model_dir: Path = EMBEDDED_MODEL, port: int = 0) 
     """``rallyrl serve``'s HTTP server over ``engine`` in this event loop, on 127.0.0.1 (``port`` 0:
     a free one); yields its URL and stops it at exit."""
     from rollout.config import ServeConfig
-    from rollout.server import serve
+    from rollout.serve.app import serve
     from rollout.tokens import load_tokenizer
 
     ready = asyncio.Event()

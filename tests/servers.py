@@ -1,8 +1,8 @@
-"""Real ``rallyrl serve`` processes on loopback for tests (``rollout/serve_process.py``)."""
+"""Real ``rallyrl serve`` processes on loopback for tests (``rollout/serve/processes.py``)."""
 
 from __future__ import annotations
 
-from rollout.serve_process import (
+from rollout.serve.processes import (
     ServeProcess,
     free_port,
     rallyrl_command,

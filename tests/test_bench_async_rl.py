@@ -14,20 +14,18 @@ import pytest
 import yaml
 
 from benchmarks import async_rl
-from benchmarks.async_rl import (
-    REQUIRED_KEYS,
-    Settings,
+from benchmarks.async_rl import REQUIRED_KEYS, Settings, run_values
+from benchmarks.async_rl_figures import (
     add_time_to_sync_final,
-    clock_warning,
     dropped_groups,
     elapsed_times,
     idle_fractions,
     observed_elapsed,
-    run_values,
     step_walls,
     time_to_accuracy,
     token_weighted_staleness,
 )
+from benchmarks.async_rl_report import clock_warning
 from benchmarks.slow_tools import SlowCalculator
 from data.config_tree import build
 from tools.registry import load_tools

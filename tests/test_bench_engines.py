@@ -11,7 +11,8 @@ from rich.console import Console
 
 from benchmarks import engines
 from benchmarks.engine_clients import Call, TimedEngine, replay_calls
-from benchmarks.engines import Rollouts, Row, Workload, bench_embedded, bench_server, breakdown, results_table
+from benchmarks.engines import Rollouts, Row, Workload, bench_embedded, bench_server
+from benchmarks.engines_report import breakdown, results_table
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from tests.conftest import serving

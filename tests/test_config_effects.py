@@ -19,7 +19,7 @@ from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import Generation, SamplingParams
 from rollout.parsers import ParsedTurn, ToolCall, register_parser
 from rollout.runner import RolloutRunner
-from rollout.serve_process import serve_processes
+from rollout.serve.processes import serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tests.conftest import ScriptedEngine, run_cli, serving
 from trainer.config import load_config

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli
 
-from rollout.export import ExportError, export_parquet, iter_parquet_trajectories, read_parquet_trajectory
+from rollout.files.export import ExportError, export_parquet, iter_parquet_trajectories, read_parquet_trajectory
+from rollout.files.show import ShowError, load_trajectory
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, Rewards, ToolCallRecord
-from rollout.show import ShowError, load_trajectory
 
 TYPED_FIELDS = ("request_id", "prompt_index", "sample_index", "state", "finish_reason", "error", "data_source",
                 "ground_truth", "prompt_ids", "response_ids", "loss_mask", "logprobs", "weight_versions", "reward",

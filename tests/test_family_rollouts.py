@@ -175,8 +175,8 @@ def test_show_and_the_parquet_export_keep_each_turns_reasoning(tmp_path):
     import orjson
     from rich.console import Console
 
-    from rollout.export import export_parquet, iter_parquet_trajectories
-    from rollout.show import load_trajectory, render
+    from rollout.files.export import export_parquet, iter_parquet_trajectories
+    from rollout.files.show import load_trajectory, render
 
     _, chat, tool, config, _ = setup("qwen3")
     user = Recording({"name": "user"})

@@ -1,4 +1,4 @@
-"""Fault injection (``rallyrl serve --fault-*``, rollout/faults.py): each fault at its rate and in
+"""Fault injection (``rallyrl serve --fault-*``, rollout/serve/faults.py): each fault at its rate and in
 the order its seed says, a drop that really cuts the body, a hang that really holds; then
 rollouts through real faulted ``rallyrl serve`` processes that lose and duplicate no request,
 one of them through a pool whose other server is killed mid-rollout."""
@@ -25,9 +25,9 @@ from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import SamplingParams
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPConfig, SGLangHTTPEngine
-from rollout.faults import FaultConfig, FaultInjector
-from rollout.serve_process import serve_processes
-from rollout.server import EngineServer, ServeConfig
+from rollout.serve.app import EngineServer, ServeConfig
+from rollout.serve.faults import FaultConfig, FaultInjector
+from rollout.serve.processes import serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tests.test_serve_processes import assert_all_accounted, calc_runner
 

@@ -13,12 +13,12 @@ import torch
 
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.agents import AgentDriver, agent_record
 from rollout.api import open_engine
 from rollout.config import GatewayConfig, RolloutConfig
 from rollout.engines.base import Generation, SamplingParams
 from rollout.engines.config import EngineConfig, LocalEngineConfig
 from rollout.gateway import Gateway
+from rollout.gateway.agents import AgentDriver, agent_record
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest, FinishReason, validate_trajectory
 from rollout.runner import request_from_record

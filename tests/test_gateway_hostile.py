@@ -1,4 +1,4 @@
-"""The agent gateway (``rollout/gateway.py``) against clients that misbehave: malformed calls, unknown
+"""The agent gateway (``rollout/gateway/app.py``) against clients that misbehave: malformed calls, unknown
 and finished sessions, too many sessions, bad rewards, clients that walk away mid-call, agents that
 vanish, a thousand sessions at once, and streams that must say exactly what the JSON answer says.
 
@@ -414,8 +414,8 @@ LONG_CALLS = RolloutConfig(max_model_len=1024, max_new_tokens=LONG)
 
 async def engine_idle(engine: LocalEngine, within_s: float = 5.0) -> None:
     deadline = time.monotonic() + within_s
-    while engine._waiting or engine._running:  # what "idle" means for the local engine
-        assert time.monotonic() < deadline, f"the engine still runs {len(engine._running)} sequences"
+    while engine._waiting or engine._batch.running:  # what "idle" means for the local engine
+        assert time.monotonic() < deadline, f"the engine still runs {len(engine._batch.running)} sequences"
         await asyncio.sleep(0.02)
 
 

@@ -11,10 +11,10 @@ import pytest
 from conftest import ScriptedEngine, call, run_cli
 
 from rollout.config import RolloutConfig
-from rollout.interactions import AnswerChecker, BaseInteraction, InteractionConfigError, load_interactions
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, validate_trajectory
 from rollout.runner import RolloutRunner
+from rollout.users.interactions import AnswerChecker, BaseInteraction, InteractionConfigError, load_interactions
 from trainer.batch import step_rewards
 
 FAST = RolloutConfig(max_new_tokens=64, max_turns=8, interaction_timeout_s=2.0, tool_reward_timeout_s=2.0)
@@ -292,7 +292,7 @@ interaction:
   - name: "gsm8k"
     class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
     config: {}
-  - class_name: "rollout.interactions.AnswerChecker"
+  - class_name: "rollout.users.interactions.AnswerChecker"
     config: {max_attempts: 5}
 """))  # fmt: skip
     assert set(interactions) == {"gsm8k", "answerchecker"}
@@ -343,12 +343,13 @@ class EchoInteraction:
         ("tools: []\n", "expected a top-level 'interaction:' list"),
         ("interaction:\n  - name: x\n", "interaction[0].class_name: expected an import path"),
         ("interaction:\n  - class_name: nowhere.Thing\n", "interaction[0].class_name: cannot import 'nowhere.Thing'"),
-        ("interaction:\n  - class_name: rollout.interactions:AnswerChecker\n    extra: 1\n", "unknown field(s) extra"),
-        ("interaction:\n  - class_name: rollout.interactions:AnswerChecker\n    config: {max_attempts: 0}\n",
+        ("interaction:\n  - class_name: rollout.users.interactions:AnswerChecker\n    extra: 1\n",
+         "unknown field(s) extra"),
+        ("interaction:\n  - class_name: rollout.users.interactions:AnswerChecker\n    config: {max_attempts: 0}\n",
          "could not be created: AnswerChecker: max_attempts must be >= 1"),
         ("interaction:\n  - class_name: json:dumps\n", "has no start_interaction"),
-        ("interaction:\n  - {name: a, class_name: rollout.interactions:AnswerChecker}\n"
-         "  - {name: a, class_name: rollout.interactions:AnswerChecker}\n", "interaction[1].name: a second"),
+        ("interaction:\n  - {name: a, class_name: rollout.users.interactions:AnswerChecker}\n"
+         "  - {name: a, class_name: rollout.users.interactions:AnswerChecker}\n", "interaction[1].name: a second"),
         ("interaction: [\n", "not valid YAML"),
     ],
 )  # fmt: skip

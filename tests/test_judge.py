@@ -22,12 +22,12 @@ from data.schema import Record
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
-from rollout.judge import Judge, JudgeConfig, JudgeError, chat_completions_url, parse_score, parse_verdict
 from rollout.loop import RolloutConfig, run_request
 from rollout.request import AsyncRolloutRequest, validate_trajectory
 from rollout.runner import RolloutRunner, summarize
-from rollout.serve_process import free_port
+from rollout.serve.processes import free_port
 from rollout.tokens import ChatTokenizer
+from rollout.users.judge import Judge, JudgeConfig, JudgeError, chat_completions_url, parse_score, parse_verdict
 from trainer.advantages import group_normalize
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer

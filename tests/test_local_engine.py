@@ -218,13 +218,13 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
     prompt = prompts(tokenizer, 1)[0]
     sampling = SamplingParams(max_new_tokens=5, temperature=0)
     async with LocalEngine(tiny_model) as engine:
-        real_decode = engine._decode
+        real_decode = engine._batch.decode
 
         def broken_decode() -> None:
-            monkeypatch.setattr(engine, "_decode", real_decode)  # fail once
+            monkeypatch.setattr(engine._batch, "decode", real_decode)  # fail once
             raise RuntimeError("out of memory")
 
-        monkeypatch.setattr(engine, "_decode", broken_decode)
+        monkeypatch.setattr(engine._batch, "decode", broken_decode)
         with pytest.raises(EngineError, match="local engine step failed: RuntimeError\\('out of memory'\\)"):
             await engine.generate(prompt, sampling, "a")
         after = await engine.generate(prompt, sampling, "b")

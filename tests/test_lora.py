@@ -14,8 +14,8 @@ from test_grpo import config, digit_share, run
 from transformers import AutoModelForCausalLM
 
 from data.config_tree import ConfigError
-from rollout.adapters import adapter_base, export_merged, is_adapter_dir
 from rollout.api import resolve_model
+from rollout.engines.adapter_dirs import adapter_base, export_merged, is_adapter_dir
 from trainer.config import LoRAConfig
 from trainer.grpo import GRPOTrainer
 from trainer.lora import lora_layers
@@ -208,7 +208,7 @@ def test_train_with_lora_against_a_server_syncs_the_merged_weights(tmp_path):
     from test_serve_processes import get_json, read_jsonl
 
     from data.tiny_model import EMBEDDED_MODEL
-    from rollout.serve_process import serve_processes
+    from rollout.serve.processes import serve_processes
 
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
         out = tmp_path / "run"

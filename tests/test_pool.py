@@ -16,7 +16,7 @@ from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPConfig
-from rollout.serve_process import free_port
+from rollout.serve.processes import free_port
 from tests.conftest import serving
 
 FAST = PoolConfig(

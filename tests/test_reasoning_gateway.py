@@ -13,7 +13,7 @@ from families import family
 
 from rollout.config import GatewayConfig, RolloutConfig
 from rollout.gateway import Gateway
-from rollout.gateway_session import answer_message
+from rollout.gateway.session import answer_message
 from rollout.tokens import ChatTokenizer
 
 ECHO = CountingTool.default_schema()

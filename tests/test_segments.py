@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import call, run_cli
 
-from rollout.export import SCHEMA, export_parquet, iter_parquet_trajectories
+from rollout.files.export import SCHEMA, export_parquet, iter_parquet_trajectories
+from rollout.files.show import load_trajectory
 from rollout.request import (
     AsyncRolloutRequest,
     FinishReason,
@@ -23,7 +24,6 @@ from rollout.request import (
     ToolCallRecord,
     validate_trajectory,
 )
-from rollout.show import load_trajectory
 from rollout.stats import RolloutCounts
 from trainer.batch import pieces, step_rewards, step_samples, trajectory_sample, trajectory_samples
 from trainer.groups import group_samples

@@ -27,7 +27,7 @@ from rollout.engines.sglang_http import SGLangHTTPConfig, SGLangHTTPEngine
 from rollout.loop import RolloutConfig
 from rollout.request import validate_trajectory
 from rollout.runner import RolloutRunner
-from rollout.serve_process import free_port, serve_processes
+from rollout.serve.processes import free_port, serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tests.conftest import run_cli
 from tools.registry import DEFAULT_TOOLS, build_tools

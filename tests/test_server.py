@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.local import LocalEngine, LocalEngineConfig
-from rollout.server import EngineServer, ServeConfig, serve
+from rollout.serve.app import EngineServer, ServeConfig, serve
 from rollout.tokens import ChatTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"

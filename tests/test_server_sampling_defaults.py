@@ -16,8 +16,8 @@ from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.base import Generation, SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from rollout.engines.sglang_protocol import OutputOptions, sampling_from_payload, sampling_params_payload
-from rollout.server import EngineServer, ServeConfig
-from rollout.server_generate import eos_token_ids
+from rollout.serve.app import EngineServer, ServeConfig
+from rollout.serve.generation import eos_token_ids
 from rollout.tokens import load_tokenizer
 
 IM_END = 2  # <|im_end|>: the tiny model's eos_token_id (config.json, generation_config.json, tokenizer)

@@ -1,4 +1,4 @@
-"""The simulated user (``rollout/simulated_user.py``): what the simulator sees (roles flipped), the
+"""The simulated user (``rollout/users/simulated_user.py``): what the simulator sees (roles flipped), the
 done marker and the user-turn limit, config mistakes, its concurrency bound on the embedded
 model, a real ``rallyrl serve`` subprocess through an interaction YAML, a dead and a hanging
 backend, and user turns inside ``run_request`` (loss mask 0)."""
@@ -19,16 +19,16 @@ from conftest import ScriptedEngine, run_cli
 
 from data.synthetic import make_calc_records
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.chat_model import ChatModelError
 from rollout.config import RolloutConfig
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.local import LocalEngine, LocalEngineConfig
-from rollout.interactions import InteractionConfigError, load_interactions
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest, FinishReason
-from rollout.serve_process import free_port, serve_processes
-from rollout.simulated_user import SimulatedUser, simulator_view
+from rollout.serve.processes import free_port, serve_processes
 from rollout.tokens import ChatTokenizer, load_tokenizer
+from rollout.users.chat_model import ChatModelError
+from rollout.users.interactions import InteractionConfigError, load_interactions
+from rollout.users.simulated_user import SimulatedUser, simulator_view
 
 FAST = {"backoff_s": 0.001, "backoff_max_s": 0.002}
 PERSONA = "a retired teacher who writes short messages"
@@ -206,7 +206,7 @@ def test_an_engine_and_a_url_are_not_both_given(plain_chat):
 
 def test_a_config_mistake_in_the_interaction_yaml_names_the_file_and_the_entry(tmp_path):
     path = tmp_path / "interactions.yaml"
-    path.write_text("interaction:\n  - name: user\n    class_name: rollout.simulated_user:SimulatedUser\n"
+    path.write_text("interaction:\n  - name: user\n    class_name: rollout.users.simulated_user:SimulatedUser\n"
                     "    config: {url: 'http://127.0.0.1:1/v1', temperature: hot}\n")  # fmt: skip
     with pytest.raises(InteractionConfigError, match=r"interactions.yaml: interaction\[0\]: .*could not be created: "
                        r"simulated user 'user': config.temperature: must be a number, got 'hot'"):  # fmt: skip
@@ -278,7 +278,7 @@ def server_url(tmp_path_factory) -> str:
 
 def interaction_yaml(tmp_path, config: str) -> Any:
     path = tmp_path / "interactions.yaml"
-    path.write_text(f"interaction:\n  - name: user\n    class_name: rollout.simulated_user:SimulatedUser\n"
+    path.write_text(f"interaction:\n  - name: user\n    class_name: rollout.users.simulated_user:SimulatedUser\n"
                     f"    config: {config}\n")  # fmt: skip
     return load_interactions(path)
 
@@ -311,7 +311,7 @@ def test_rallyrl_rollout_plays_the_user_turns_with_a_simulator_behind_rallyrl_se
     data, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     (tmp_path / "user.yaml").write_text(
-        "interaction:\n  - name: user\n    class_name: rollout.simulated_user:SimulatedUser\n"
+        "interaction:\n  - name: user\n    class_name: rollout.users.simulated_user:SimulatedUser\n"
         f"    config: {{url: '{server_url}/v1', max_tokens: 8, temperature: 1.0, max_retries: 8, max_user_turns: 1}}\n"
     )
     result = run_cli("rollout", "--data", str(data), "--interactions", str(tmp_path / "user.yaml"), "--out", str(out),

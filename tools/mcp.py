@@ -37,8 +37,8 @@ import yaml
 from mcp import types
 
 from tools.base import BaseTool, ToolError, ToolResponse, function_schema
+from tools.loading import ToolConfigError, import_class
 from tools.mcp_client import MCPClient, MCPServer, TokenBucket, Transport, close_mcp_clients, mcp_client
-from tools.registry import ToolConfigError, import_class
 
 __all__ = ["MCPTool", "build_mcp_tools", "close_mcp_clients"]
 

@@ -35,6 +35,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from tools.base import ToolError
+from tools.mcp_transport import WatchedTransport, describe_error, relay_messages
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class MCPClient:
         except Exception as exc:
             self._failures += 1
             self._retry_at = loop.time() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._failures - 1))
-            self._last_error = "timed out" if isinstance(exc, TimeoutError) else _describe(exc)
+            self._last_error = "timed out" if isinstance(exc, TimeoutError) else describe_error(exc)
             raise ToolError(f"cannot connect to MCP server {self.server.describe()}: {self._last_error}") from None
         finally:
             self._connecting = None
@@ -240,7 +241,7 @@ class MCPClient:
                 relay_in, session_read = anyio.create_memory_object_stream[Any](0)
                 relays = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(relays.cancel_scope.cancel)  # on the way out, before the task group waits
-                relays.start_soon(_relay, read, relay_in, lose)
+                relays.start_soon(relay_messages, read, relay_in, lose)
                 session = await stack.enter_async_context(ClientSession(session_read, write))
                 await session.initialize()
                 tools = await _all_tools(session)
@@ -248,7 +249,7 @@ class MCPClient:
                 reason = await lost
                 log.info("MCP server %s: connection ended (%s)", self.server.describe(), reason)
         except Exception as exc:  # a transport that failed (its task group re-raises what broke it)
-            lose(_describe(exc))
+            lose(describe_error(exc))
             if not ready.done():
                 ready.set_exception(exc)
         finally:
@@ -283,7 +284,7 @@ class MCPClient:
                 headers={**dict(server.headers), **(headers or {})},
                 timeout=httpx.Timeout(30.0, read=self.read_timeout_s),
                 auth=auth,
-                transport=_WatchedTransport(lose),
+                transport=WatchedTransport(lose),
             )
 
         if server.transport == "sse":
@@ -312,18 +313,6 @@ class MCPClient:
             await asyncio.wait({conn.owner}, timeout=1.0)
 
 
-async def _relay(source: Any, sink: Any, lose: Callable[[str], None]) -> None:
-    """Pass the transport's messages on to the session; the end of the stream is a lost connection."""
-    try:
-        async with sink:
-            async for item in source:
-                await sink.send(item)
-    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-        pass
-    finally:
-        lose("the server closed the connection")
-
-
 async def _all_tools(session: ClientSession) -> list[types.Tool]:
     tools: list[types.Tool] = []
     page = await session.list_tools()
@@ -332,50 +321,6 @@ async def _all_tools(session: ClientSession) -> list[types.Tool]:
         page = await session.list_tools(params=types.PaginatedRequestParams(cursor=page.nextCursor))
         tools += page.tools
     return tools
-
-
-class _WatchedTransport(httpx.AsyncBaseTransport):
-    """httpx's transport, reporting network errors (refused, reset, closed mid-stream) as a lost
-    connection: the SDK drops some of them silently, which would leave calls waiting."""
-
-    def __init__(self, lose: Callable[[str], None]):
-        # no connection cap: every call in flight holds a streamed response open
-        self._inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
-        self._lose = lose
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            response = await self._inner.handle_async_request(request)
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            self._lose(_describe(exc))
-            raise
-        response.stream = _WatchedStream(response.stream, self._lose)  # type: ignore[arg-type]
-        return response
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class _WatchedStream(httpx.AsyncByteStream):
-    def __init__(self, inner: httpx.AsyncByteStream, lose: Callable[[str], None]):
-        self._inner, self._lose = inner, lose
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._inner:
-                yield chunk
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            self._lose(_describe(exc))
-            raise
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _describe(exc.exceptions[0])
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -21,8 +21,6 @@ the current folder and the config file's folder.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import yaml
 
 from tools.base import BaseTool
 from tools.function_tool import FunctionTool, is_function
+from tools.loading import ToolConfigError, import_class
 from tools.verl_compat import VerlTool, is_verl_style, schema_dict
 
 DEFAULT_TOOLS = [{"class_name": "tools.calculator:CalculatorTool"}]
@@ -39,34 +38,6 @@ MCP_CLASS_NAMES = {"tools.mcp:MCPTool", "tools.mcp.MCPTool"}
 VERL_ALIASES = {"verl.tools.gsm8k_tool.Gsm8kTool": "tools.answer_check:AnswerCheckTool"}
 """verl's built-in tools that verl 0.9 from PyPI no longer ships, used where they do not import: verl's
 GSM8K tool YAML (``calc_gsm8k_reward``) then runs as it is, on rallyrl's answer checker."""
-
-
-class ToolConfigError(ValueError):
-    """A tool config that cannot be loaded; the message names the file, the entry and the field."""
-
-
-def import_class(path: str, search: tuple[Path, ...] = ()) -> Any:
-    """``"pkg.module:Class"`` or ``"pkg.module.Class"`` -> the class (or function). A module that
-    is not importable but sits in one of ``search``'s folders is imported from there, as
-    ``python -m`` would from the folder it runs in."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ImportError(f"{path!r} is not an import path like 'pkg.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        top = module_name.partition(".")[0]
-        folder = next((f for f in search if (f / top).is_dir() or (f / f"{top}.py").is_file()), None)
-        if exc.name != top or folder is None:
-            raise
-        sys.path.insert(0, str(folder))
-        module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
 def build_tools(
@@ -96,7 +67,7 @@ def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
     if not isinstance(config, dict):
         raise ToolConfigError(f"{where}.config: expected a mapping, got {type(config).__name__}")
     if "mcp" in entry or config.get("type") == "mcp" or (isinstance(class_name, str) and class_name in MCP_CLASS_NAMES):
-        from tools.mcp import build_mcp_tools
+        from tools.mcp import build_mcp_tools  # here: the MCP SDK takes a second or more to import
 
         return build_mcp_tools(entry, where, source_dir)
     if not isinstance(class_name, str):

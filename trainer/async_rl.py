@@ -44,7 +44,7 @@ from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
 
 if TYPE_CHECKING:
-    from rollout.agents import AgentDriver
+    from rollout.gateway.agents import AgentDriver
 
 
 class MeteredEngine:

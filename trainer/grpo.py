@@ -30,7 +30,6 @@ from accelerate.utils import gather_object, set_seed
 from rich.console import Console
 
 from data.reward_fns import RewardFn
-from rollout.agents import AgentDriver, load_agent
 from rollout.api import (
     agent_gateway,
     enter_interactions,
@@ -43,6 +42,7 @@ from rollout.api import (
     setup_tools,
 )
 from rollout.engines.base import Engine, LoadsWeightsFromDisk
+from rollout.gateway.agents import AgentDriver, load_agent
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
 from rollout.stats import RolloutCounts

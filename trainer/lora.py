@@ -6,7 +6,7 @@
   servers that load adapters at run time;
 - merged full weights under the model's own names (``W + scale * B @ A``), for in-process engines
   and servers that cannot load adapters;
-- a merged model directory (``rollout/adapters.py:export_merged``), which SGLang and vLLM load as
+- a merged model directory (``rollout/engines/adapter_dirs.py:export_merged``), which SGLang and vLLM load as
   any model.
 
 Only the adapter's parameters train and have optimizer state; the KL reference is the base model

@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from data.model_padding import pad_model_dir
 from data.synthetic import make_calc_records, spaced_expression
 from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from rollout.adapters import merged_model_dir
 from rollout.api import resolve_model, set_threads
 from rollout.config import RolloutConfig
+from rollout.engines.adapter_dirs import merged_model_dir
 from rollout.engines.config import LocalEngineConfig
 from rollout.engines.local import LocalEngine
 from rollout.request import AsyncRolloutRequest

@@ -1,1 +1,1 @@
-"""Example agents written against the OpenAI API, trained through the agent gateway (``rollout/agents.py``)."""
+"""Example agents written against the OpenAI API, trained through the agent gateway (``rollout/gateway/agents.py``)."""

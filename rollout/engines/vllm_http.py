@@ -1,7 +1,7 @@
 """A client of one vLLM server's OpenAI-compatible API, with token ids in and out.
 
 Start the server with the development endpoints on and logprobs of the distribution it samples
-from (``rollout/engine_servers.py`` does, for the tests)::
+from (``rollout/engines/launch.py`` does, for the tests)::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
         --logprobs-mode processed_logprobs

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engine_servers import EngineKind, EngineNotInstalled, engine_python, engine_server
+from rollout.engines.launch import EngineKind, EngineNotInstalled, engine_python, engine_server
 
 HERE = Path(__file__).resolve().parent
 

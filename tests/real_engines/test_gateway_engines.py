@@ -19,7 +19,7 @@ import pytest
 
 from data.agents.calc_openai import CALCULATOR, calculator
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engine_servers import engine_server
+from rollout.engines.launch import engine_server
 from rollout.request import AsyncRolloutRequest, validate_trajectory
 from tests.conftest import run_cli
 from tests.real_engines.conftest import require_engine

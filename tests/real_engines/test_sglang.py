@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import resolve_model
-from rollout.engine_servers import engine_server, start_engine, wait_ready
 from rollout.engines.base import SamplingParams
+from rollout.engines.launch import engine_server, start_engine, wait_ready
 from rollout.engines.local import LocalEngine
 from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.loop import RolloutConfig

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engine_servers import engine_server
-from rollout.serve_process import serve_processes
+from rollout.engines.launch import engine_server
+from rollout.serve.processes import serve_processes
 from tests.fixtures.record_sglang import (
     CALC_TASK,
     CALCULATOR,

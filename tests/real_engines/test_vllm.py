@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engine_servers import engine_server
 from rollout.engines.base import Generation, SamplingParams
+from rollout.engines.launch import engine_server
 from rollout.engines.vllm_http import VLLMHTTPEngine
 from rollout.tokens import load_tokenizer
 from tests.conftest import run_cli

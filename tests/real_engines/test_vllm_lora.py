@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.config import RolloutConfig
-from rollout.engine_servers import engine_server
 from rollout.engines.base import SamplingParams
 from rollout.engines.config import EngineConfig
+from rollout.engines.launch import engine_server
 from rollout.tokens import load_tokenizer
 from tests.conftest import run_cli
 from tests.real_engines.conftest import reference_logprobs, require_engine

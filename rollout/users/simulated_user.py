@@ -3,7 +3,7 @@
 ```yaml
 interaction:
   - name: user
-    class_name: rollout.simulated_user:SimulatedUser
+    class_name: rollout.users.simulated_user:SimulatedUser
     config: {url: http://127.0.0.1:30000/v1, max_concurrency: 16, temperature: 0.7, max_user_turns: 5}
 ```
 
@@ -12,7 +12,7 @@ and a record's ``interaction_kwargs``: ``{name: user, persona: "a retired teache
 OpenAI-compatible URL (``url``), a model directory run in-process (``model``; ``embedded`` or
 left empty: the embedded tiny model), or, in code, any rallyrl Engine with its tokenizer:
 ``SimulatedUser(config, engine=engine, tokenizer=tokenizer)``. Its calls are bounded, timed and
-retried as the judge's are (``rollout/chat_model.py``).
+retried as the judge's are (``rollout/users/chat_model.py``).
 
 What the simulator sees: a system prompt made from ``system_template`` ({persona}, {goal},
 {done_marker}), then the conversation as its user sees it in a chat window, roles flipped:
@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from data.config_tree import build, check_fields
-from rollout.chat_model import ChatModel, ChatModelStats, ChatSettings
-from rollout.interactions import BaseInteraction
+from rollout.users.chat_model import ChatModel, ChatModelStats, ChatSettings
+from rollout.users.interactions import BaseInteraction
 
 SYSTEM_TEMPLATE = """You are role-playing a user who is chatting with an AI assistant. Stay in character: \
 never say that you are an AI, a simulator or role-playing.

@@ -34,9 +34,9 @@ def export_command(
     out: Path = typer.Option(None, help="Parquet file to write (default: FILE with the suffix .parquet)."),
     batch_size: int = typer.Option(1024, help="Trajectories converted (and held in memory) at a time."),
 ) -> None:
-    """Rollout JSONL -> parquet, one row per trajectory (schema: rollout/export.py), streamed in
+    """Rollout JSONL -> parquet, one row per trajectory (schema: rollout/files/export.py), streamed in
     batches and written atomically: a bad line is an error naming it, and nothing is written."""
-    from rollout.export import ExportError, export_parquet
+    from rollout.files.export import ExportError, export_parquet
 
     out = out or file.with_suffix(".parquet")
     try:
@@ -57,7 +57,7 @@ def show_command(
     (which spans of response_ids are trained on, loss_mask 1, and which are context)."""
     from rich.console import Console
 
-    from rollout.show import ShowError, load_trajectory, render
+    from rollout.files.show import ShowError, load_trajectory, render
 
     try:
         tokenizer = None

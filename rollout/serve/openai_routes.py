@@ -18,20 +18,21 @@ from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload
 from rollout.parsers import get_parser
 from rollout.reasoning import get_reasoning_format
-from rollout.server_generate import GenerateItem, output_text, weight_version_spans
-from rollout.server_http import BadRequest, json_body, json_response, send_event, sse_response
+from rollout.serve.generate import output_text, weight_version_spans
+from rollout.serve.generation import GenerateItem
+from rollout.serve.http import BadRequest, json_body, json_response, send_event, sse_response
 from rollout.tokens import ChatTokenizer, TemplateError
 from rollout.tool_parsers import get_renderer
 
 if TYPE_CHECKING:
-    from rollout.server import EngineServer
+    from rollout.serve.state import ServerState
 
 
 class OpenAIRoutes:
-    """``/v1/...`` of one ``EngineServer``: requests are rendered to token ids and generated through
+    """``/v1/...`` of one ``ServerState``: requests are rendered to token ids and generated through
     the server (so pauses and weight updates hold them as they hold ``/generate``)."""
 
-    def __init__(self, server: EngineServer):
+    def __init__(self, server: ServerState):
         self.server = server
 
     def routes(self) -> list[tuple[str, str, Any]]:

@@ -1,5 +1,5 @@
 """Agents we do not own, run for training: an entry point ``agent(base_url, record)`` talking to the
-gateway (``rollout/gateway.py``), one session per (prompt, sample).
+gateway (``rollout/gateway/app.py``), one session per (prompt, sample).
 
 ```python
 async def agent(base_url: str, record: dict) -> float | None:
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import RolloutConfig
-from rollout.gateway import Gateway, GatewayError
+from rollout.gateway.app import Gateway
+from rollout.gateway.errors import GatewayError
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 
 AgentFn = Callable[[str, dict[str, Any]], Awaitable[Any] | Any]

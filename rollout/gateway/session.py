@@ -36,8 +36,8 @@ from rollout.loop import turn_seed
 from rollout.parsers import get_parser
 from rollout.reasoning import get_reasoning_format
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, Segment, ToolCallRecord
-from rollout.server_http import BadRequest
-from rollout.server_openai import sampling_numbers, template_message
+from rollout.serve.http import BadRequest
+from rollout.serve.openai_routes import sampling_numbers, template_message
 from rollout.tokens import ChatTokenizer, TemplateError
 from rollout.transcript import Transcript
 

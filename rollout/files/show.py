@@ -1,7 +1,7 @@
 """One trajectory, pretty-printed: what happened in a request, turn by turn, and which tokens train.
 
 ``rallyrl show FILE [--index I] [--model DIR]`` reads a rollout JSONL file or its parquet export
-(``rollout/export.py``) and prints, with rich:
+(``rollout/files/export.py``) and prints, with rich:
 
 1. a header: request id, prompt and sample index, data_source, ground truth, finish_reason,
    error, reward and its parts, turns, tool calls, token counts, weight versions, the state timeline;
@@ -33,7 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from data.text import terminal_safe, terminal_safe_value
-from rollout.export import count_parquet_trajectories, is_parquet, read_parquet_trajectory
+from rollout.files.export import count_parquet_trajectories, is_parquet, read_parquet_trajectory
 from rollout.request import validate_trajectory
 
 ROLE_STYLES = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}

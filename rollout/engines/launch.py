@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from rollout.serve_process import ServeProcess, free_port, wait_healthy
+from rollout.serve.processes import ServeProcess, free_port, wait_healthy
 
 EngineKind = Literal["sglang", "vllm"]
 

@@ -1,58 +1,23 @@
 """How ``rallyrl serve`` runs ``/generate`` the way SGLang 0.5.23 does: the request read into one item
 per prompt (and per sample, with ``n``), the generation ended where SGLang's scheduler ends it, and
 the answer written as SGLang writes it (``text`` as its detokenizer trims it, ``meta_info`` with its
-keys in its order).
-
-SGLang checks after every token, in this order (``Req.check_finished`` in ``schedule_batch.py``):
-``max_new_tokens`` reached ("length", even when that token is a stop token), then a stop token
-(``stop_token_ids`` or one of the model's EOS ids, both off with ``ignore_eos``), then a stop
-string in the text so far. ``output_ids`` and their logprobs keep every token, the stop token
-included; only ``text`` is trimmed (``DetokenizerManager.trim_matched_stop``).
+keys in its order). Where a generation ends: ``rollout/serve/generation.py``; only ``text`` is
+trimmed (``DetokenizerManager.trim_matched_stop``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from rollout.engines.base import Engine, Generation, PartialGeneration, SamplingParams, StreamsGenerations
+from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload, sampling_from_payload
-from rollout.server_http import BadRequest, model_config
+from rollout.serve.generation import GenerateItem
+from rollout.serve.http import BadRequest
 
 if TYPE_CHECKING:
-    from rollout.server import EngineServer
-
-
-@dataclass
-class GenerateItem:
-    """One prompt (one sample of it, with ``n``) of a ``/generate`` request and what was asked for it."""
-
-    input_ids: list[int]
-    sampling: SamplingParams
-    options: OutputOptions
-    rid: str
-    return_logprob: bool
-    text_in_logprobs: bool = False
-    """``return_text_in_logprobs``: each logprob triple carries its token's text."""
-    no_tokens: bool = False
-    """``max_new_tokens`` 0: answered at once with no output (the engine is not asked)."""
-
-
-def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
-    """The ids that end a generation unless ``ignore_eos``, gathered as SGLang does: ``eos_token_id``
-    of the model's ``config.json`` and ``generation_config.json`` (an id or a list of ids) and the
-    tokenizer's ``eos_token_id``."""
-    ids: list[int] = []
-    for config in (model_config(model_path), model_config(model_path, "generation_config.json")):
-        value = config.get("eos_token_id")
-        ids += [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
-    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
+    from rollout.serve.state import ServerState
 
 
 # ----- reading the request ---------------------------------------------------------------------------
@@ -110,7 +75,7 @@ def check_sampling_types(params: Any, name: str = "sampling_params") -> None:
             raise BadRequest(f"{name}.{key}: not supported by rallyrl serve ({NOT_SERVED[key]})")
 
 
-def _prompts(server: EngineServer, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     """The token ids of every prompt of a ``/generate`` body, and whether it was a batch."""
     if body.get("input_ids") is not None:
         prompts = body["input_ids"]
@@ -140,7 +105,7 @@ def _prompts(server: EngineServer, body: dict[str, Any]) -> tuple[list[list[int]
     return prompts, batched
 
 
-def generate_items(server: EngineServer, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
+def generate_items(server: ServerState, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
     """One ``GenerateItem`` per prompt (``n`` per prompt, prompt after prompt) of a ``/generate`` body,
     and whether the answer is a list (a batch, or ``n`` above 1)."""
     prompts, batched = _prompts(server, body)
@@ -185,7 +150,7 @@ def generate_items(server: EngineServer, body: dict[str, Any]) -> tuple[list[Gen
 
 
 def _sampling(
-    server: EngineServer, params: dict[str, Any] | None, ids: list[int]
+    server: ServerState, params: dict[str, Any] | None, ids: list[int]
 ) -> tuple[SamplingParams, OutputOptions, bool]:
     """The engine's SamplingParams for one prompt, its OutputOptions, and whether it asks for no
     tokens; a prompt and ``max_new_tokens`` that do not fit the context are refused, as in SGLang."""
@@ -207,74 +172,6 @@ def _sampling(
         raise BadRequest(str(exc)) from None
     return sampling, options, no_tokens
 
-
-# ----- generating ----------------------------------------------------------------------------------------
-
-
-async def generate_chunks(
-    engine: Engine, tokenizer: Any, input_ids: list[int], sampling: SamplingParams, rid: str,
-    stop: Sequence[str] = (), stream: bool = False,
-) -> AsyncIterator[PartialGeneration | Generation]:  # fmt: skip
-    """The generation as SGLang ends it: with ``stream``, the tokens so far after each decode step
-    (when the engine streams), the final ``Generation`` last. A stop string ends it at the token
-    that completes it (the engine's generation of the rest is aborted)."""
-    streams = isinstance(engine, StreamsGenerations)
-    if not stop and not (stream and streams):  # the plain path: exactly the engine's generation
-        yield _length_first(await engine.generate(input_ids, sampling, rid), sampling)
-        return
-    chunks = engine.generate_stream(input_ids, sampling, rid) if streams else _whole(engine, input_ids, sampling, rid)
-    matcher = StopStrings(tokenizer, stop)
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            count = len(chunk.output_ids)
-            if isinstance(chunk, Generation) and chunk.finish_reason in ("stop", "length"):
-                count -= 1  # its last token ended it before a stop string could (SGLang's order)
-            found = matcher.search(chunk.output_ids, min(count, sampling.max_new_tokens - 1)) if stop else None
-            if found is not None:
-                end, matched = found
-                versions = chunk.output_weight_versions if isinstance(chunk, Generation) else None
-                yield Generation(
-                    chunk.output_ids[:end], chunk.output_logprobs[:end], "stop", getattr(chunk, "weight_version", 0),
-                    meta={"matched_stop": matched}, output_weight_versions=versions[:end] if versions else None,
-                )  # fmt: skip
-                return
-            yield _length_first(chunk, sampling) if isinstance(chunk, Generation) else chunk
-
-
-class StopStrings:
-    """Finds the first token whose text completes a stop string; like SGLang, each token is checked
-    against the text of the last few tokens (as many as the longest stop string can take, plus one)."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str]):
-        self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.window = 1 + max((max(len(s), len(tokenizer.encode(s, add_special_tokens=False))) for s in stop),
-                              default=0)  # fmt: skip
-        self.checked = 0  # tokens already known not to complete a stop string
-
-    def search(self, output_ids: list[int], limit: int) -> tuple[int, str] | None:
-        """(tokens up to and including the one that completes a stop string, that string), looking
-        at the first ``limit`` tokens; None when none does."""
-        for end in range(self.checked + 1, limit + 1):
-            tail = self.tokenizer.decode(output_ids[max(0, end - self.window) : end], skip_special_tokens=False)
-            for stop in self.stop:
-                if stop in tail:
-                    return end, stop
-        self.checked = max(self.checked, limit)
-        return None
-
-
-def _length_first(generation: Generation, sampling: SamplingParams) -> Generation:
-    """SGLang checks the length before the stop tokens: a stop token as the last of ``max_new_tokens``
-    tokens ends the generation with "length"."""
-    if generation.finish_reason == "stop" and len(generation.output_ids) >= sampling.max_new_tokens:
-        return replace(generation, finish_reason="length")
-    return generation
-
-
-async def _whole(engine: Engine, input_ids: list[int], sampling: SamplingParams, rid: str) -> AsyncIterator[Generation]:
-    """An engine that does not stream: its whole generation as one chunk."""
-    yield await engine.generate(input_ids, sampling, rid)
 
 
 # ----- writing the answer ------------------------------------------------------------------------------
@@ -313,7 +210,7 @@ def weight_version_spans(generation: Generation, name: Any) -> list[dict[str, An
     return spans
 
 
-def generate_output(server: EngineServer, item: GenerateItem, generation: Generation | PartialGeneration,
+def generate_output(server: ServerState, item: GenerateItem, generation: Generation | PartialGeneration,
                     started: float, first_of_stream: bool | None = None) -> dict[str, Any]:  # fmt: skip
     """One ``/generate`` answer, or one chunk of a stream (``first_of_stream`` True or False), with
     SGLang 0.5.23's ``meta_info`` keys in its order. ``weight_version`` names the version of the last

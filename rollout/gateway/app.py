@@ -11,10 +11,10 @@ every agent run as a session, token for token, so that agents we do not own can 
 
 Each call renders its messages and tools with the model's chat template, generates with token ids
 and logprobs, parses tool calls with rallyrl's parsers into OpenAI ``tool_calls`` and records the
-tokens in the session's ``AsyncRolloutRequest`` (``rollout/gateway_session.py``: one trajectory
+tokens in the session's ``AsyncRolloutRequest`` (``rollout/gateway/session.py``: one trajectory
 while the agent only appends, a new sample when it rewrites its history). A finished session is
 scored like a rollout (posted reward, else the reward function), checked, handed to ``on_finish``
-and freed. The trainer runs the gateway in-process (``rollout/agents.py``); ``rallyrl gateway``
+and freed. The trainer runs the gateway in-process (``rollout/gateway/agents.py``); ``rallyrl gateway``
 runs it alone and writes the finished sessions to JSONL.
 
 Errors are OpenAI's error objects: 400 bad request or a spent budget (``code`` says which), 404
@@ -28,7 +28,6 @@ import contextlib
 import logging
 import math
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -38,30 +37,18 @@ from aiohttp import web
 
 from data.reward_fns import RewardFn
 from rollout.config import GatewayConfig, RolloutConfig
-from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
-from rollout.gateway_session import CallPlan, CallRefused, GatewaySession, answer_message, chat_for, new_session_id
+from rollout.engines.base import Engine, EngineError
+from rollout.gateway.calls import Call
+from rollout.gateway.errors import GatewayError, error_response
+from rollout.gateway.session import CallRefused, GatewaySession, chat_for, new_session_id
 from rollout.loop import default_reward, score_request
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
-from rollout.server_generate import generate_chunks
-from rollout.server_http import BadRequest, json_body, json_response, send_event, sse_response
-from rollout.server_openai import stop_strings
+from rollout.serve.http import BadRequest, json_body, json_response
+from rollout.serve.openai_routes import stop_strings
 from rollout.tokens import ChatTokenizer
 
 logger = logging.getLogger(__name__)
 
-
-class GatewayError(Exception):
-    """An HTTP error of the gateway: status, message and OpenAI's ``type``/``code``."""
-
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-def _error(status: int, message: str, code: str | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
-            502: "engine_error", 503: "engine_error"}.get(status, "server_error")  # fmt: skip
-    return json_response({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
 class Gateway:
@@ -147,22 +134,22 @@ class Gateway:
         try:
             return await handler(request)
         except GatewayError as exc:
-            return _error(exc.status, str(exc), exc.code)
+            return error_response(exc.status, str(exc), exc.code)
         except CallRefused as exc:
             self.counters["calls_refused"] += 1
-            return _error(400, str(exc), exc.code)
+            return error_response(400, str(exc), exc.code)
         except BadRequest as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except EngineError as exc:
             self.counters["calls_failed"] += 1
-            return _error(502, f"engine error: {exc}")
+            return error_response(502, f"engine error: {exc}")
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return _error(exc.status, exc.reason or str(exc))
+                return error_response(exc.status, exc.reason or str(exc))
             raise
         except Exception as exc:  # a bug: answer, log the trace, keep serving
             logger.exception("%s %s failed", request.method, request.path)
-            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     # ----- sessions --------------------------------------------------------------------------------
 
@@ -358,7 +345,7 @@ class Gateway:
                 session.refused = (exc.finish_reason, str(exc))
                 raise
             sampling = session.sampling_params(body, plan)
-            call = _Call(self, session, plan, sampling, stop, body, tools is not None)
+            call = Call(self, session, plan, sampling, stop, body, tools is not None)
             session.request.transition(RequestState.RUNNING)
             try:
                 return await (call.stream(request) if body.get("stream") else call.answer())
@@ -366,142 +353,6 @@ class Gateway:
                 session.between_calls()
                 session.last_used = time.monotonic()
 
-
-class _Call:
-    """One chat completion: the generation, the commit to the session and the OpenAI answer."""
-
-    def __init__(self, gateway: Gateway, session: GatewaySession, plan: CallPlan, sampling: SamplingParams,
-                 stop: list[str], body: dict[str, Any], parse_tools: bool):  # fmt: skip
-        self.gateway, self.session, self.plan, self.sampling = gateway, session, plan, sampling
-        self.stop, self.body = stop, body
-        self.parser = session.config.tool_parser if parse_tools else None
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.rid = f"{session.id}-{session.calls}-{uuid.uuid4().hex[:8]}"
-        self.created = int(time.time())
-        model = body.get("model")
-        self.model = model if isinstance(model, str) and model else gateway.model_name
-
-    def _chunks(self, stream: bool) -> Any:
-        return generate_chunks(self.gateway.engine, self.gateway.tokenizer, self.plan.input_ids, self.sampling,
-                               self.rid, self.stop, stream)  # fmt: skip
-
-    def _commit(self, generation: Generation) -> dict[str, Any]:
-        """The answer message of a finished generation, recorded in the session."""
-        if generation.finish_reason == "abort":
-            raise GatewayError(503, "the engine aborted the generation (a weight update or a pause): call again",
-                               "engine_aborted")  # fmt: skip
-        text = self.plan.chat.assistant_text(generation.output_ids)
-        shown = _cut_at_stop(text, generation)
-        message = answer_message(shown, self.parser, self.session.config.reasoning_parser, self.plan.chat.tools)
-        split = len(self.session.request.segments)
-        self.session.commit(self.plan, generation, message)
-        self.gateway.counters["calls"] += 1
-        if len(self.session.request.segments) > split:
-            logger.info("session %s: a new sample (%s)", self.session.id, self.plan.new_sample)
-        return message
-
-    def _finish(self, message: dict[str, Any], generation: Generation) -> str:
-        return "tool_calls" if message.get("tool_calls") else generation.finish_reason
-
-    def _metadata(self, generation: Generation) -> dict[str, Any]:
-        """What the gateway recorded, under ``rallyrl`` in the answer (OpenAI's own ``metadata`` holds strings only)."""
-        request = self.session.request
-        return {"session_id": self.session.id, "sample": len(request.segments), "turn": request.metrics.turns,
-                "new_sample": self.plan.new_sample or None, "weight_version": generation.weight_version}  # fmt: skip
-
-    def _usage(self, generation: Generation) -> dict[str, Any]:
-        prompt, completion = len(self.plan.input_ids), len(generation.output_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    async def answer(self) -> web.Response:
-        generation: Generation | None = None
-        async with contextlib.aclosing(self._chunks(False)) as chunks:
-            async for chunk in chunks:
-                generation = chunk  # type: ignore[assignment]
-        assert isinstance(generation, Generation)
-        message = self._commit(generation)
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
-                                  "finish_reason": self._finish(message, generation)}  # fmt: skip
-        if self.body.get("logprobs"):
-            decode = self.plan.chat.decode
-            choice["logprobs"] = {"content": [
-                {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()), "top_logprobs": []}
-                for t, lp in zip(generation.output_ids, generation.output_logprobs, strict=True)]}  # fmt: skip
-        return json_response({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                              "choices": [choice], "usage": self._usage(generation),
-                              "rallyrl": self._metadata(generation)})  # fmt: skip
-
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        """SSE: the role, then the text as it is generated (with tools, the content and the tool calls
-        once the answer is whole, as they are parsed from all of it), the finish reason, ``[DONE]``."""
-        response = await sse_response(request)
-        await send_event(response, self._chunk({"role": "assistant", "content": ""}))
-        sent = ""
-        hold = max((len(s) for s in self.stop), default=1) - 1
-        generation: Generation | None = None
-        try:
-            async with contextlib.aclosing(self._chunks(True)) as chunks:
-                async for chunk in chunks:
-                    if isinstance(chunk, Generation):
-                        generation = chunk
-                        break
-                    if self.parser is not None or self.session.config.reasoning_parser != "none":
-                        continue  # parsed from the whole answer
-                    text = self._partial_text(chunk)
-                    visible = text[: len(text) - hold] if hold else text
-                    if len(visible) > len(sent) and visible.startswith(sent):
-                        await send_event(response, self._chunk({"content": visible[len(sent) :]}))
-                        sent = visible
-        except EngineError as exc:  # the answer has begun: the error can only be an event of the stream
-            self.gateway.counters["calls_failed"] += 1
-            await send_event(response, {"error": {"message": f"engine error: {exc}", "type": "engine_error",
-                                                  "code": None}})  # fmt: skip
-            await send_event(response, "[DONE]")
-            return response
-        assert generation is not None
-        try:
-            message = self._commit(generation)
-        except GatewayError as exc:
-            await send_event(response, {"error": {"message": str(exc), "type": "engine_error", "code": exc.code}})
-            await send_event(response, "[DONE]")
-            return response
-        content = message.get("content") or ""
-        if message.get("reasoning_content"):
-            await send_event(response, self._chunk({"reasoning_content": message["reasoning_content"]}))
-        if self.parser is None and "reasoning_content" not in message:
-            rest = content[len(sent) :] if content.startswith(sent) else ""
-            if rest:
-                await send_event(response, self._chunk({"content": rest}))
-        else:
-            if content:
-                await send_event(response, self._chunk({"content": content}))
-            for index, call in enumerate(message.get("tool_calls") or []):
-                function = call["function"]
-                tool_call = {"index": index, "id": call["id"], "type": "function",
-                             "function": {"name": function["name"], "arguments": function["arguments"]}}  # fmt: skip
-                await send_event(response, self._chunk({"tool_calls": [tool_call]}))
-        final = self._chunk({}, self._finish(message, generation))
-        final["usage"], final["rallyrl"] = self._usage(generation), self._metadata(generation)
-        await send_event(response, final)
-        await send_event(response, "[DONE]")
-        await response.write_eof()
-        return response
-
-    def _partial_text(self, chunk: PartialGeneration) -> str:
-        text = self.plan.chat.decode(chunk.output_ids)
-        return text.rstrip("\ufffd")  # a character whose bytes are not all there yet
-
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
-
-
-def _cut_at_stop(text: str, generation: Generation) -> str:
-    """The answer's text as OpenAI shows it: cut before a matched stop string."""
-    matched = generation.meta.get("matched_stop")
-    if isinstance(matched, str) and (cut := text.find(matched)) >= 0:
-        return text[:cut]
-    return text
 
 
 def _reward(value: Any) -> float | None:

@@ -13,12 +13,12 @@ Interactions load from verl's ``interaction_config`` YAML by import path:
 ```yaml
 interaction:
   - name: checker                                   # the name records use in interaction_kwargs.name
-    class_name: rollout.interactions:AnswerChecker  # or "pkg.module.Class"; a verl class works as it is
+    class_name: rollout.users.interactions:AnswerChecker  # or "pkg.module.Class"; a verl class works as it is
     config: {max_attempts: 3}
 ```
 
 Built in: ``AnswerChecker`` (tells the model its answer is wrong and asks it to try again, up to
-a limit; verl's ``Gsm8kInteraction`` resolves to it) and ``rollout.simulated_user:SimulatedUser``
+a limit; verl's ``Gsm8kInteraction`` resolves to it) and ``rollout.users.simulated_user:SimulatedUser``
 (a user played by a model, with a persona and a goal).
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 from data.rewards import score_answer
 
 VERL_ALIASES = {
-    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rollout.interactions:AnswerChecker",
-    "verl.interactions.gsm8k_interaction:Gsm8kInteraction": "rollout.interactions:AnswerChecker",
+    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rollout.users.interactions:AnswerChecker",
+    "verl.interactions.gsm8k_interaction:Gsm8kInteraction": "rollout.users.interactions:AnswerChecker",
 }
 """verl's built-in interactions, used where verl itself is not installed (verl 0.9 no longer ships them)."""
 

@@ -16,7 +16,7 @@ YES / NO (``mode="yes_no"``, 1 or 0).
 - Retries: an engine error, an HTTP error that may pass (connection, timeout, 408, 429, 5xx) or
   an unparsable reply is retried with exponential backoff and full jitter (``rollout/retry.py``),
   up to ``max_retries`` times; the slot is given back while waiting. Other HTTP errors (400,
-  401, 404) fail at once. The bound, the timeout and the retries are ``rollout/chat_model.py``'s,
+  401, 404) fail at once. The bound, the timeout and the retries are ``rollout/users/chat_model.py``'s,
   shared with the simulated user.
 - Cache: a successful score is kept under (template, question, reference, answer), in memory
   and, with ``cache_path``, in a JSON file (loaded at construction, written on exit and by
@@ -43,10 +43,10 @@ import orjson
 from data.files import atomic_write_bytes
 from data.reward_fns import final_answer_text, question_text
 from data.text import truncate_middle
-from rollout.chat_model import ChatModel, ChatModelError, ChatModelStats, ChatSettings, chat_completions_url
 from rollout.config import JudgeConfig
 from rollout.engines.base import Engine
 from rollout.request import AsyncRolloutRequest
+from rollout.users.chat_model import ChatModel, ChatModelError, ChatModelStats, ChatSettings, chat_completions_url
 
 __all__ = ["Judge", "JudgeConfig", "JudgeError", "JudgeStats", "chat_completions_url", "parse_score", "parse_verdict"]
 
@@ -249,7 +249,7 @@ class Judge:
     # ----- one judgment ---------------------------------------------------------------------------
 
     async def _judge(self, prompt: str) -> float:
-        """Call the judge model until a reply parses (``rollout/chat_model.py``: bounded, timed,
+        """Call the judge model until a reply parses (``rollout/users/chat_model.py``: bounded, timed,
         retried with backoff); JudgeError when none does."""
         try:
             reply = await self.model.complete([{"role": "user", "content": prompt}], parse=self.parse)

@@ -1,0 +1,86 @@
+"""``rallyrl serve``: any rallyrl engine behind SGLang's HTTP API, so SGLang clients work unchanged.
+
+Native API (as ``sglang.launch_server`` serves it), here: ``/generate`` (one request, a batch or
+``n`` samples; JSON or SSE-streamed), ``/health``, ``/health_generate``, ``/get_model_info``,
+``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
+``/pause_generation``, ``/continue_generation``. OpenAI-compatible (``rollout/serve/openai_routes.py``):
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``. ``sampling_params`` are read with
+SGLang's defaults and generations end where SGLang ends them (``rollout/serve/generate.py``).
+Answers, errors included, have SGLang 0.5.23's shapes: ``tests/real_engines/test_sglang_conformance.py``
+compares them with a real SGLang and lists where rallyrl serve differs on purpose.
+
+Weight updates follow SGLang: ``/update_weights_from_disk`` waits for the requests in flight
+(or aborts them with ``abort_all_requests``) while new ones wait, so every ``/generate``
+response comes from one weight version. ``/pause_generation`` aborts what is in flight (the
+clients resume it) and holds new requests until ``/continue_generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from rollout.config import ServeConfig
+from rollout.engines.base import Engine, EngineError
+from rollout.serve.faults import install_faults
+from rollout.serve.http import BadRequest, error_response
+from rollout.serve.native_routes import NativeRoutes
+from rollout.serve.openai_routes import OpenAIRoutes
+from rollout.serve.state import ServerState
+
+__all__ = ["EngineServer", "ServeConfig", "serve"]
+
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+"""Paths answered without the API key (as in SGLang), so that health probes need no secret."""
+logger = logging.getLogger(__name__)
+
+
+class EngineServer(ServerState):
+    """The aiohttp application around one engine: the state its routes share (``state.py``), SGLang's
+    native routes (``native_routes.py``) and the OpenAI-compatible ones (``openai_routes.py``)."""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 2**20, middlewares=[self._errors])
+        for method, path, handler in [*NativeRoutes(self).routes(), *OpenAIRoutes(self).routes()]:
+            app.router.add_route(method, path, handler)
+        if self.config.faults is not None:
+            install_faults(app, self.config.faults)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """API key check; bad requests and engine failures as JSON errors in SGLang's shapes."""
+        authorized = request.headers.get("Authorization") == f"Bearer {self.config.api_key}"
+        if self.config.api_key and not authorized and request.path not in OPEN_PATHS:
+            return error_response(request, 401, "missing or wrong API key (Authorization: Bearer ...)")
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return error_response(request, 400, str(exc), exc.kind)
+        except EngineError as exc:
+            return error_response(request, 500, f"engine error: {exc}")
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # a bug: answer, log the trace, keep serving
+            logger.exception("%s %s failed", request.method, request.path)
+            return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def serve(engine: Engine, tokenizer: Any, config: ServeConfig, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled. Client disconnects cancel their handlers (and so abort their requests)."""
+    server = EngineServer(engine, tokenizer, config)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=4096, reuse_address=True)
+    await site.start()
+    config.port = runner.addresses[0][1]  # the port bound when config.port was 0
+    server.config.port = config.port
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
