@@ -3,7 +3,9 @@
 The engines live in virtualenvs of their own (``.ci/install_engines``). Where one is missing its
 tests skip, saying how to install it, unless ``RALLYRL_REQUIRE_ENGINES=1`` (CI sets it): then they
 fail. Each kind has one server of the embedded model for the whole session (``sglang_url``,
-``vllm_url``); a test that changes a server's weights starts its own with ``engine_server``.
+``vllm_url``) whose weights no test changes. The SGLang tests that change a server's weights share
+``sglang_scratch_url``, handed to each of them reset to the embedded model (starting an SGLang
+server costs a minute of CPU; loading the tiny model's weights into a running one a second).
 Servers write their logs under the session's temporary directory.
 """
 
@@ -13,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -44,12 +47,47 @@ def engine_logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine-logs")
 
 
+SGLANG_FLAGS = ("--tool-call-parser", "hermes", "--context-length", "4096")
+"""The scratch SGLang server's flags: the embedded model's tool-call parser and whole context, as
+``rallyrl serve`` has them and the conformance recordings were made (``tests/fixtures/record_sglang.py``
+``SERVER_FLAGS``)."""
+
+
 @pytest.fixture(scope="session")
 def sglang_url(engine_logs) -> Iterator[str]:
-    """A real SGLang server of the embedded model, shared by the session (do not change its weights)."""
+    """A real SGLang server of the embedded model, shared by the session (do not change its weights),
+    with the Prometheus counters the router test reads (they add timings to each answer's meta_info,
+    so the conformance tests use the scratch server)."""
     require_engine("sglang")
-    with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
+    with engine_server("sglang", EMBEDDED_MODEL, engine_logs, "--enable-metrics") as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def _sglang_scratch(engine_logs) -> Iterator[str]:
+    require_engine("sglang")
+    with engine_server("sglang", EMBEDDED_MODEL, engine_logs, *SGLANG_FLAGS) as server:
+        yield server.url
+
+
+def reset_sglang(url: str) -> None:
+    """Generation continued, the embedded model's weights loaded and the weight version ``default``:
+    the server as it started."""
+    with httpx.Client(base_url=url, timeout=120) as client:
+        client.post("/continue_generation", json={}).raise_for_status()
+        body = {"model_path": str(EMBEDDED_MODEL), "weight_version": "default", "abort_all_requests": True}
+        answer = client.post("/update_weights_from_disk", json=body)
+        answer.raise_for_status()
+        assert answer.json().get("success"), answer.text
+        assert client.get("/get_model_info").json()["weight_version"] == "default"
+
+
+@pytest.fixture
+def sglang_scratch_url(_sglang_scratch) -> str:
+    """A real SGLang server of the embedded model whose weights the test may change: shared by the
+    session, reset to the embedded model before each test."""
+    reset_sglang(_sglang_scratch)
+    return _sglang_scratch
 
 
 @pytest.fixture(scope="session")

@@ -18,11 +18,8 @@ import orjson
 import pytest
 
 from data.agents.calc_openai import CALCULATOR, calculator
-from data.tiny_model import EMBEDDED_MODEL
-from rollout.engines.launch import engine_server
 from rollout.request import AsyncRolloutRequest, validate_trajectory
 from tests.conftest import run_cli
-from tests.real_engines.conftest import require_engine
 from tests.real_engines.test_sglang import max_logprob_gap
 
 
@@ -89,14 +86,12 @@ def test_the_standalone_gateway_over_real_sglang_records_an_openai_client(sglang
     assert written[0]["consistency_diff"] is None and sum(written[0]["loss_mask"]) > 0
 
 
-def test_training_an_agent_syncs_weights_into_real_sglang(engine_logs, tmp_path):
-    require_engine("sglang")
-    with engine_server("sglang", EMBEDDED_MODEL, engine_logs) as server:
-        done = run_cli("train", "--agent", "data.agents.calc_openai:run", "--engine-url", server.url, "--steps", "2",
-                       "--prompts-per-step", "4", "-n", "4", "--out", str(tmp_path / "run"), "--no-progress",
-                       timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        version = httpx.get(f"{server.url}/get_model_info").json()["weight_version"]
+def test_training_an_agent_syncs_weights_into_real_sglang(sglang_scratch_url, tmp_path):
+    done = run_cli("train", "--agent", "data.agents.calc_openai:run", "--engine-url", sglang_scratch_url, "--steps",
+                   "2", "--prompts-per-step", "4", "-n", "4", "--out", str(tmp_path / "run"), "--no-progress",
+                   timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    version = httpx.get(f"{sglang_scratch_url}/get_model_info").json()["weight_version"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
     assert all(m["rollout/response_length"] > 0 and m["rollout/error_rate"] == 0 for m in metrics)

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engines.launch import engine_server
 from rollout.serve.processes import serve_processes
 from tests.fixtures.record_sglang import (
     CALC_TASK,
@@ -39,7 +38,7 @@ from tests.fixtures.record_sglang import (
     pause_scenario,
     send,
 )
-from tests.real_engines.conftest import require_engine
+from tests.real_engines.conftest import SGLANG_FLAGS, reset_sglang
 
 LOGPROB_TOLERANCE = 1e-4
 
@@ -109,11 +108,12 @@ SERVER_INFO_KEYS = ("model_path", "tokenizer_path", "context_length", "served_mo
 
 
 @pytest.fixture(scope="module")
-def sglang(engine_logs) -> Iterator[str]:
-    """SGLang of the embedded model, started as the recorder starts it (this module changes its weight version)."""
-    require_engine("sglang")
-    with engine_server("sglang", EMBEDDED_MODEL, engine_logs, *SERVER_FLAGS) as server:
-        yield server.url
+def sglang(_sglang_scratch) -> str:
+    """SGLang of the embedded model with the recorder's flags (``SGLANG_FLAGS`` holds ``SERVER_FLAGS``),
+    reset once for the module: its cases run in order on it as on ``rallyrl``, and change its weight version."""
+    assert set(SERVER_FLAGS) <= set(SGLANG_FLAGS)
+    reset_sglang(_sglang_scratch)
+    return _sglang_scratch
 
 
 @pytest.fixture(scope="module")
