@@ -58,7 +58,7 @@ import pstats
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,12 @@ from benchmarks.engine_clients import (
     Call,
     CallProfile,
     CpuMeter,
-    CpuUse,
     Protocol,
     RawClient,
     TimedEngine,
     replay_calls,
 )
-from benchmarks.engines_report import breakdown, results_table
+from benchmarks.engines_report import Row, Run, breakdown, results_table
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import open_engine
@@ -111,62 +110,6 @@ class Workload:
 QUICK = Workload(prompts=32)
 
 
-@dataclass
-class Run:
-    """One timed run of one client."""
-
-    client: str  # "rallyrl" | "raw"
-    repeat: int
-    wall_s: float
-    output_tokens: int
-    calls: int
-    cpu: CpuUse
-    profile: CallProfile
-    errors: int = 0
-    replays: int | None = None
-    """For a raw run: the repeat whose rallyrl calls it replayed."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class Row:
-    """One engine's runs, or why it was skipped."""
-
-    engine: str
-    startup_s: float | None = None
-    runs: list[Run] = field(default_factory=list)
-    skipped: str | None = None
-    cprofile: str | None = None
-    console: Console | None = field(default=None, repr=False)
-    """Where each run is noted as it ends (None: nowhere)."""
-
-    def add(self, run: Run) -> None:
-        self.runs.append(run)
-        if self.console is not None:
-            p, cpu = run.profile, run.cpu
-            self.console.print(
-                f"  {self.engine} {run.client:7} repeat {run.repeat}: {run.wall_s:6.1f} s, {run.tokens_per_s:7,.0f} "
-                f"tokens/s, {p.in_flight:4.1f} calls in flight, latency {p.latency_s:5.2f} s; CPU s: client "
-                f"{cpu.client_s:.1f}, server {seconds(cpu.server_s)}, others {seconds(cpu.others_s)}"
-                + (f"; {run.errors} errors" if run.errors else ""),
-                highlight=False,
-            )
-
-    def of(self, client: str) -> list[Run]:
-        return [run for run in self.runs if run.client == client]
-
-    def ratios(self) -> list[float]:
-        """rallyrl/raw tokens/s of each repeat's pair."""
-        raw = {run.repeat: run for run in self.of("raw")}
-        return [run.tokens_per_s / raw[run.repeat].tokens_per_s for run in self.of("rallyrl") if run.repeat in raw]
-
-    def to_dict(self) -> dict[str, Any]:
-        runs = [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in self.runs]
-        return {"engine": self.engine, "startup_s": self.startup_s, "skipped": self.skipped, "runs": runs,
-                "ratios": self.ratios()}  # fmt: skip
 
 
 class Rollouts:
@@ -271,10 +214,6 @@ def bench_row(engine: str, work: Workload, repeats: int, log_dir: Path, cprofile
         pgid = server.process.pid  # started in a session of its own
         return asyncio.run(bench_server(row, server.url, protocol, work, repeats, log_dir, cprofile, pgid))
     raise AssertionError("unreachable")
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 def hottest(profiler: cProfile.Profile, count: int = 15) -> str:

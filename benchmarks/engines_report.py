@@ -1,16 +1,80 @@
-"""``benchmarks/engines.py``'s report: the results table (median and spread over the repeats) and the
-breakdown of one engine's calls (time kept at the client and at the server, CPU by process)."""
+"""``benchmarks/engines.py``'s runs and their report: each engine's timed runs (``Row``, ``Run``), the
+results table (median and spread over the repeats) and the breakdown of one engine's calls (time kept
+at the client and at the server, CPU by process)."""
 
 from __future__ import annotations
 
 import os
 import statistics
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from benchmarks.engines import Row, Run
+from benchmarks.engine_clients import CallProfile, CpuUse
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+@dataclass
+class Run:
+    """One timed run of one client."""
+
+    client: str  # "rallyrl" | "raw"
+    repeat: int
+    wall_s: float
+    output_tokens: int
+    calls: int
+    cpu: CpuUse
+    profile: CallProfile
+    errors: int = 0
+    replays: int | None = None
+    """For a raw run: the repeat whose rallyrl calls it replayed."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Row:
+    """One engine's runs, or why it was skipped."""
+
+    engine: str
+    startup_s: float | None = None
+    runs: list[Run] = field(default_factory=list)
+    skipped: str | None = None
+    cprofile: str | None = None
+    console: Console | None = field(default=None, repr=False)
+    """Where each run is noted as it ends (None: nowhere)."""
+
+    def add(self, run: Run) -> None:
+        self.runs.append(run)
+        if self.console is not None:
+            p, cpu = run.profile, run.cpu
+            self.console.print(
+                f"  {self.engine} {run.client:7} repeat {run.repeat}: {run.wall_s:6.1f} s, {run.tokens_per_s:7,.0f} "
+                f"tokens/s, {p.in_flight:4.1f} calls in flight, latency {p.latency_s:5.2f} s; CPU s: client "
+                f"{cpu.client_s:.1f}, server {seconds(cpu.server_s)}, others {seconds(cpu.others_s)}"
+                + (f"; {run.errors} errors" if run.errors else ""),
+                highlight=False,
+            )
+
+    def of(self, client: str) -> list[Run]:
+        return [run for run in self.runs if run.client == client]
+
+    def ratios(self) -> list[float]:
+        """rallyrl/raw tokens/s of each repeat's pair."""
+        raw = {run.repeat: run for run in self.of("raw")}
+        return [run.tokens_per_s / raw[run.repeat].tokens_per_s for run in self.of("rallyrl") if run.repeat in raw]
+
+    def to_dict(self) -> dict[str, Any]:
+        runs = [asdict(run) | {"tokens_per_s": run.tokens_per_s} for run in self.runs]
+        return {"engine": self.engine, "startup_s": self.startup_s, "skipped": self.skipped, "runs": runs,
+                "ratios": self.ratios()}  # fmt: skip
 
 
 def cores(run: Run, value: float | None) -> float:

