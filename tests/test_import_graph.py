@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
@@ -234,3 +235,12 @@ def test_every_new_path_of_the_table_is_a_module_of_the_project():
     modules = project_modules()
     assert not [new for new in MOVED.values() if new not in modules]
     assert not [old for old in MOVED if old in modules], "an old path that is a module again shadows the table"
+
+
+def test_the_command_line_starts_without_torch_transformers_or_an_engine():
+    """``rallyrl --help``, ``check``, a config error: each ``rallyrl`` process imports ``cli`` first, so
+    the commands' modules keep torch and transformers (seconds to import) for when a command runs."""
+    code = "import sys, cli; print(sorted(m for m in ('torch', 'transformers', 'aiohttp') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
