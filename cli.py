@@ -190,10 +190,10 @@ def train(
         "engine.urls": engine_url or None, "engine.server": engine_server, "threads": threads, "progress": progress,
         "async_rl": async_rl, "max_staleness": max_staleness,
     }  # fmt: skip
-    from trainer.grpo import train as run_train
-
     with _errors_for_people():
-        grpo_config = _load("train", config, flags, set_)
+        grpo_config = _load("train", config, flags, set_)  # a bad setting fails before torch loads
+        from trainer.grpo import train as run_train
+
         history = run_train(grpo_config, resume=resume)
     if history:
         last = history[-1]
@@ -283,11 +283,12 @@ def evaluate(
     }  # fmt: skip
     from data.files import atomic_write_bytes
     from rollout.api import resolve_model
-    from trainer.evaluation import breakdown_table, run_eval, write_markdown_report
 
     with _errors_for_people():
         eval_config = _load("eval", config, flags, set_)
-        model_dir = resolve_model(eval_config.model)
+        model_dir = resolve_model(eval_config.model)  # a bad setting or model fails before torch loads
+        from trainer.evaluation import breakdown_table, run_eval, write_markdown_report
+
         report = asyncio.run(run_eval(eval_config))
     accuracy = "-" if report["accuracy"] is None else f"{report['accuracy']:.3f}"  # None: nothing graded
     console.print(

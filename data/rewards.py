@@ -22,11 +22,6 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from math_verify import parse, verify
-from sympy import Basic, Pow
-from sympy.functions.combinatorial.factorials import CombinatorialFunction
-from sympy.matrices import MatrixBase
-
 MAX_ANSWER_CHARS = 1000
 """Longer answers (after normalisation) are never equal: no exact parse, no math-verify."""
 MAX_POWER_BITS = 100_000
@@ -193,6 +188,10 @@ def exact_number(text: str) -> Fraction | None:
 
 def _is_safe(expr: Any) -> bool:
     """False when evaluating ``expr`` could mean a huge power or factorial (checked innermost first)."""
+    from sympy import Basic, Pow
+    from sympy.functions.combinatorial.factorials import CombinatorialFunction
+    from sympy.matrices import MatrixBase
+
     if isinstance(expr, MatrixBase):
         return all(_is_safe(element) for element in expr)
     if not isinstance(expr, Basic):
@@ -212,7 +211,11 @@ def _is_safe(expr: Any) -> bool:
 
 
 def _math_verify_equal(predicted: str, ground_truth: str) -> bool:
-    """math-verify's verdict on two normalised answers, each wrapped in ``$...$``; timeouts disabled."""
+    """math-verify's verdict on two normalised answers, each wrapped in ``$...$``; timeouts disabled.
+    math-verify and sympy load here, on first use: they take most of a second to import, which every
+    ``rallyrl`` process would pay."""
+    from math_verify import parse, verify
+
     for text in (predicted, ground_truth):
         if len(text) > MAX_ANSWER_CHARS or _BIG_BINOMIAL_RE.search(text) or _HUGE_EXPONENT_RE.search(text):
             return False

@@ -99,10 +99,21 @@ def load_prompts(config: PromptsConfig, default_count: int = 64) -> list[Record]
 def setup_tools(tools_path: str | Path | None, tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
     """The tools of a tool config (default: the calculator) and the chat tokenizer that renders
     their schemas into every prompt."""
-    from rollout.tokens import ChatTokenizer
+    return chat_with_tools(load_tool_config(tools_path), tokenizer)
+
+
+def load_tool_config(tools_path: str | Path | None) -> dict[str, BaseTool]:
+    """The tools of a tool config, by name (default: the calculator). Needs no tokenizer, so a bad
+    tool config fails before transformers and torch load."""
     from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
 
-    tools = load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+    return load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+
+
+def chat_with_tools(tools: dict[str, BaseTool], tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
+    """``tools`` and the chat tokenizer that renders their schemas into every prompt."""
+    from rollout.tokens import ChatTokenizer
+
     return tools, ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
 
 
@@ -227,16 +238,17 @@ async def agent_gateway(config: RolloutCommand, engine: Engine, tokenizer: Any, 
 async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     """Model directory, tokenizer, tools, judge, reward and engine of one command, opened and
     closed together."""
-    from rollout.tokens import load_tokenizer
-
     model_dir = resolve_model(config.model)
-    tokenizer = load_tokenizer(model_dir)
-    tools, chat = setup_tools(config.tools, tokenizer)
+    tools = load_tool_config(config.tools)  # what can be wrong with the user's files fails first, in a second
     interactions = setup_interactions(config.interactions)
     if config.agent:
         from rollout.gateway.agents import load_agent
 
         load_agent(config.agent)  # a bad entry point fails before the engine starts
+    from rollout.tokens import load_tokenizer  # transformers and torch: seconds
+
+    tokenizer = load_tokenizer(model_dir)
+    tools, chat = chat_with_tools(tools, tokenizer)
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:
@@ -259,11 +271,11 @@ async def rollout(
     """``rallyrl rollout``: every record ``samples_per_prompt`` times through the engine, each
     trajectory written to ``config.out`` as it finishes. ``skip`` holds (prompt, sample) pairs
     already in ``out`` (``--resume``); they are not run again and ``out`` is appended to."""
-    from rollout.runner import RolloutRunner
-
     set_threads(config.threads)
     records = load_prompts(config) if records is None else records
     async with rollout_session(config) as s:
+        from rollout.runner import RolloutRunner
+
         runner = RolloutRunner(s.engine, s.chat, s.tools, config.rollout, reward_fn=s.reward_fn,
                                progress=config.progress, console=console, interactions=s.interactions,
                                agent=s.agent)  # fmt: skip

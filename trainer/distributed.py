@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 
 
 def make_accelerator() -> Accelerator:
@@ -58,12 +56,16 @@ def is_fsdp(accelerator: Any) -> bool:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict of an FSDP-sharded model, gathered onto every process (on its device)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # a second to import
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
 
 def shard_like_policy(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
     """A frozen model sharded as Accelerate's FSDP2 plugin shards the policy: each block named in
     ``_no_split_modules`` (the decoder layers), then the whole; parameters stay in their dtype."""
+    from torch.distributed.fsdp import fully_shard
+
     model = model.to(accelerator.device)
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():

@@ -73,7 +73,9 @@ async def test_token_ids_and_logprobs_agree_with_the_embedded_forward_pass(sglan
     for result in (sampled, greedy):
         assert all(r.finish_reason.value in ("stop", "length") for r in result.requests)
         assert result.summary.consistency_failures == 0
-    assert sum(len(r.response_ids) for r in sampled.requests) > 500
+    # Hundreds of sampled tokens to compare. How many varies from run to run: SGLang's CPU batches the 12 requests
+    # as they arrive, and a sampled token can differ with the batch (455 and over 500 both seen).
+    assert sum(len(r.response_ids) for r in sampled.requests) > 200
     assert max_logprob_gap(model, sampled.requests) < 1e-4
     assert max_logprob_gap(model, greedy.requests) < 1e-4
     async with LocalEngine.from_pretrained(EMBEDDED_MODEL) as local:  # greedy: the same tokens as ours
