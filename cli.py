@@ -226,7 +226,7 @@ def sft(
     """Supervised fine-tuning on conversations or trajectories, loss on assistant tokens only.
     `--recipe tiny-calc --export data/assets/tiny-calc` rebuilds the embedded model."""
     from data.config_tree import build
-    from trainer.sft import SFTConfig, run_recipe, run_sft
+    from trainer.config import SFTConfig
 
     flags = {
         "out": out, "model": model, "data": data, "min_reward": min_reward, "num_examples": num_examples,
@@ -236,7 +236,9 @@ def sft(
     }  # fmt: skip
     with _errors_for_people():
         given = _given("sft", config, flags, set_)
-        sft_config = build(SFTConfig, given)  # checks every setting, recipe or not
+        sft_config = build(SFTConfig, given)  # checks every setting, recipe or not, before torch loads
+        from trainer.sft import run_recipe, run_sft
+
         if recipe is not None:  # the settings given apply to every stage; the stages set the rest
             settings = {k: v for k, v in given.items() if k not in ("out", "export")}
             history = run_recipe(recipe, sft_config.out, sft_config.export, console, **settings)

@@ -19,8 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-calc"
-"""The shipped tiny-calc model (``rallyrl sft --recipe tiny-calc`` rebuilds it): the default of every command."""
+from data.embedded import EMBEDDED_MODEL  # noqa: F401  (its home before; many import it from here)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

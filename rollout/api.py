@@ -49,7 +49,7 @@ def resolve_model(model: str | Path | None) -> Path:
     ``config.json`` is one, training checkpoints (``out/checkpoints/step-N``) and ``out/final`` included;
     a LoRA adapter directory gives its base model with the adapter merged (``rollout/engines/adapter_dirs.py``)."""
     if model is None:
-        from data.tiny_model import EMBEDDED_MODEL
+        from data.embedded import EMBEDDED_MODEL
 
         if (EMBEDDED_MODEL / "config.json").is_file():
             return EMBEDDED_MODEL

@@ -244,3 +244,34 @@ def test_the_command_line_starts_without_torch_transformers_or_an_engine():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+BAD_INPUT = {  # what a user gets wrong, by command: each is told so before torch loads
+    "rollout-tools": (["rollout", "--tools", "{tmp}/tools.yaml", "--task", "calc"], "cannot import 'nowhere.mod:Tool'"),
+    "rollout-model": (["rollout", "--model", "{tmp}/missing"], "no such directory"),
+    "rollout-task": (["rollout", "--task", "nope"], "unknown synthetic task 'nope'"),
+    "train-setting": (["train", "--set", "stepz=3"], "stepz: unknown field"),
+    "eval-model": (["eval", "--model", "{tmp}/missing"], "no such directory"),
+    "sft-config": (["sft", "--config", "{tmp}/bad.yaml"], "unknown field"),
+    "serve-model": (["serve", "--model", "{tmp}/missing"], "no such directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_a_command_given_bad_input_says_so_before_torch_loads(tmp_path, case):
+    """Seconds per process otherwise (a bad tool config took 7-9 s to be told about): the settings, the
+    user's files and the model directory are checked first."""
+    (tmp_path / "tools.yaml").write_text('tools:\n  - class_name: "nowhere.mod:Tool"\n')
+    (tmp_path / "bad.yaml").write_text("stepz: 3\n")
+    args, message = BAD_INPUT[case]
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    args += {"serve": ["--port", "0"], "eval": []}.get(args[0], ["--out", str(tmp_path / "out")])
+    code = ("import sys, cli; from typer.testing import CliRunner\n"
+            f"done = CliRunner().invoke(cli.app, {args!r})\n"
+            "print(done.exit_code, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+            "print(done.output)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    status, output = done.stdout.split("\n", 1)
+    assert message in output, output
+    assert status == "2 False False", (status, output)

@@ -57,12 +57,14 @@ def serve_command(
 async def serve_embedded(config: ServeConfig) -> None:
     """Serve ``config.model`` with the embedded engine until cancelled (the address printed once bound)."""
     from rollout.api import resolve_model, set_threads
+
+    model_dir = resolve_model(config.model)  # a bad model or a taken port fails before torch loads
+    check_port_free(config.host, config.port)
     from rollout.engines.local import LocalEngine
     from rollout.serve.app import serve
     from rollout.tokens import load_tokenizer
 
     set_threads(config.threads)
-    model_dir = resolve_model(config.model)
     config = dataclasses.replace(config, model=str(model_dir.resolve()))
     engine_config = config.engine
     if engine_config.seed is None:
@@ -79,3 +81,16 @@ async def serve_embedded(config: ServeConfig) -> None:
             console.print(f"injecting faults into /generate: {faults.error_rate:.1%} errors, {faults.hang_rate:.1%} "
                           f"hangs, {faults.drop_rate:.1%} drops (seed {faults.seed})", highlight=False)  # fmt: skip
         await task
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise the ``OSError`` binding ``host:port`` would raise once the model is loaded (a port another
+    process listens on), before loading it; port 0 is always free. The server's own bind still decides."""
+    if port == 0:
+        return
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no reason
+        probe.bind((host, port))
