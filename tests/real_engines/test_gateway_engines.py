@@ -57,6 +57,9 @@ def test_the_standalone_gateway_over_real_sglang_records_an_openai_client(sglang
         [sys.executable, "-m", "cli", "gateway", "--engine-url", sglang_url, "--port", "0", "--out", str(out),
          "--max-new-tokens", "96", "--max-model-len", "1024"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "300"},
+        # SIGINT left to its default: a shell without job control starts background jobs with it ignored,
+        # children inherit that, and the gateway then (rightly) never hears the Ctrl-C this test sends
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         line = ""
