@@ -99,7 +99,8 @@ def load_prompts(config: PromptsConfig, default_count: int = 64) -> list[Record]
 def setup_tools(tools_path: str | Path | None, tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
     """The tools of a tool config (default: the calculator) and the chat tokenizer that renders
     their schemas into every prompt."""
-    return chat_with_tools(load_tool_config(tools_path), tokenizer)
+    tools = load_tool_config(tools_path)
+    return tools, tools_chat(tools, tokenizer)
 
 
 def load_tool_config(tools_path: str | Path | None) -> dict[str, BaseTool]:
@@ -110,11 +111,11 @@ def load_tool_config(tools_path: str | Path | None) -> dict[str, BaseTool]:
     return load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
 
 
-def chat_with_tools(tools: dict[str, BaseTool], tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
-    """``tools`` and the chat tokenizer that renders their schemas into every prompt."""
+def tools_chat(tools: dict[str, BaseTool], tokenizer: Any) -> ChatTokenizer:
+    """The chat tokenizer that renders the schemas of ``tools`` into every prompt."""
     from rollout.tokens import ChatTokenizer
 
-    return tools, ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
+    return ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
 
 
 def setup_interactions(path: str | Path | None) -> dict[str, Any]:
@@ -248,7 +249,7 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     from rollout.tokens import load_tokenizer  # transformers and torch: seconds
 
     tokenizer = load_tokenizer(model_dir)
-    tools, chat = chat_with_tools(tools, tokenizer)
+    chat = tools_chat(tools, tokenizer)
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:
