@@ -79,9 +79,9 @@ def read(path: str) -> bytes:
 
 
 def sandbox_processes(run_id: str | None = None, marker: str | None = None) -> list[int]:
-    """Live processes whose environment carries the call's run id (any run's when None) or whose
-    command line contains ``marker``."""
-    env = f"{RUN_ENV}={run_id}".encode() if run_id else f"{RUN_ENV}=".encode()
+    """Live processes whose environment carries the call's run id (when None, that of any run this
+    process started: not those of another pytest worker) or whose command line contains ``marker``."""
+    env = f"{RUN_ENV}={run_id or f'{os.getpid()}-'}".encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         in_env = any(item.startswith(env) for item in read(f"/proc/{pid}/environ").split(b"\0"))
@@ -217,12 +217,12 @@ async def test_the_sandbox_in_use_is_reported():
 
 async def test_cancelled_call_leaves_no_process_and_no_directory():
     tool = make_tool()
-    before = set(Path(tempfile.gettempdir()).glob("rallyrl-python-*"))
+    before = set(Path(tempfile.gettempdir()).glob(f"rallyrl-python-{os.getpid()}-*"))
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(1.0):
             await tool.execute("i", {"code": "import time\nwhile True:\n    time.sleep(1)"})
     assert sandbox_processes() == []
-    assert set(Path(tempfile.gettempdir()).glob("rallyrl-python-*")) <= before
+    assert set(Path(tempfile.gettempdir()).glob(f"rallyrl-python-{os.getpid()}-*")) <= before
 
 
 # ---------------------------------------------------------------- hostile programs

@@ -231,4 +231,5 @@ async def test_a_cancelled_call_leaves_no_cgroup(monkeypatch):
 def test_no_call_cgroup_is_left():
     found = sandbox_cgroup.parents()
     for parent in set(found[1].values()) if found else ():
-        assert [name for name in os.listdir(parent) if name.startswith(sandbox_cgroup.NAME_PREFIX)] == []
+        ours = f"{sandbox_cgroup.NAME_PREFIX}{os.getpid()}-"  # not another pytest worker's
+        assert [name for name in os.listdir(parent) if name.startswith(ours)] == []

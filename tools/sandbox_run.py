@@ -144,8 +144,10 @@ async def run_program(
     Always kills what is left and removes the working directory and the call's cgroup."""
     await asyncio.to_thread(interpreter_paths)  # a subprocess on the first call, cached after
     started = time.monotonic()
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="rallyrl-python-"))
-    run = SandboxRun(uuid.uuid4().hex, OutputCapture(max_output_chars), OutputCapture(max_output_chars), {})
+    # the run id and the working directory name the process that started the run: leftovers say whose they are
+    run_id = f"{os.getpid()}-{uuid.uuid4().hex}"
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"rallyrl-python-{os.getpid()}-"))
+    run = SandboxRun(run_id, OutputCapture(max_output_chars), OutputCapture(max_output_chars), {})
     proc: asyncio.subprocess.Process | None = None
     pumps: list[asyncio.Task[None]] = []
     report_read, report_write = os.pipe()  # the supervisor's JSON report comes back on this pipe

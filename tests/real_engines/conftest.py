@@ -26,10 +26,31 @@ from rollout.engines.launch import EngineKind, EngineNotInstalled, engine_python
 HERE = Path(__file__).resolve().parent
 
 
+SERVER_FIXTURES = {
+    "sglang": {"sglang_url", "_sglang_scratch", "sglang_scratch_url", "sglang"},
+    "vllm": {"vllm_url", "own_vllm_url", "lora_vllm_url"},
+}
+"""The session's servers of each kind, by the fixtures that start them."""
+
+
+def server_kind(item: pytest.Item) -> str | None:
+    """The kind of server ``item`` runs against (by its fixtures or its ``server`` parameter), if any."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("server") in SERVER_FIXTURES:
+        return callspec.params["server"]
+    names = set(getattr(item, "fixturenames", ()))
+    return next((kind for kind, fixtures in SERVER_FIXTURES.items() if names & fixtures), None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark these tests ``real_engines`` and, for ``pytest -n 2 --dist loadgroup`` (CI), keep the tests
+    of one kind of server on one worker, so that each session server starts once."""
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.real_engines)
+            kind = server_kind(item)
+            if kind is not None:
+                item.add_marker(pytest.mark.xdist_group(kind))
 
 
 def require_engine(kind: EngineKind) -> Path:
