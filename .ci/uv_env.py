@@ -1,7 +1,7 @@
 """Print the ``export UV_...`` lines that give uv the package sources pip has on this machine.
 
-.ci/install_engines installs SGLang and vLLM with uv (about 45 s where pip took about 7 minutes:
-pip unpacks and byte-compiles some 8 GB on one core). This keeps uv to pip's sources: the index,
+.ci/install_engines installs SGLang and vLLM with uv (about 3 minutes, byte-compiled, where pip
+took about 9: pip unpacks and byte-compiles some 11 GB on one core). This keeps uv to pip's sources: the index,
 extra indexes, find-links, constraints and certificate of ``pip config list`` (files and PIP_*
 variables), and pip's choice of the best version across them (``unsafe-best-match``).
 """
