@@ -172,9 +172,12 @@ def train(
     reward: str = typer.Option(None, help='Reward by data_source, e.g. "math+0.1*format" or "judge".'),
     judge_url: str = typer.Option(None, help="OpenAI-compatible URL of a judge model, for the 'judge' reward."),
     engine_url: list[str] = typer.Option(
-        None, help="Roll out on this SGLang, vLLM or `rallyrl serve` server; repeat for several. Weights sync via disk."
+        None, help="Roll out on this SGLang, vLLM or `rallyrl serve` server; repeat for several."
     ),
     engine_server: str = typer.Option(None, help=ENGINE_SERVER_HELP),
+    weight_sync: str = typer.Option(
+        None, help="How --engine-url servers get each step's weights: auto, broadcast, tensor or disk (weight_sync)."
+    ),
     threads: int = typer.Option(None, help="torch intra-op threads."),
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show a progress bar of the steps."),
     async_rl: bool = typer.Option(
@@ -187,8 +190,8 @@ def train(
         "steps": steps, "out": out, "model": model, "task": task, "data": data, "agent": agent,
         "prompts_per_step": prompts_per_step,
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
-        "engine.urls": engine_url or None, "engine.server": engine_server, "threads": threads, "progress": progress,
-        "async_rl": async_rl, "max_staleness": max_staleness,
+        "engine.urls": engine_url or None, "engine.server": engine_server, "weight_sync.transport": weight_sync,
+        "threads": threads, "progress": progress, "async_rl": async_rl, "max_staleness": max_staleness,
     }  # fmt: skip
     with _errors_for_people():
         grpo_config = _load("train", config, flags, set_)  # a bad setting fails before torch loads

@@ -6,7 +6,7 @@ For each model (the embedded model, and a Qwen2.5-0.5B-shaped model with random 
 code: nothing downloads), with a rank-``--rank`` adapter on every linear layer:
 
 - full: the model directory a server loads through ``/update_weights_from_disk`` (``save_weights``
-  of ``trainer/weight_sync.py``), bytes on disk and seconds;
+  of ``trainer/weight_files.py``), bytes on disk and seconds;
 - adapter: the adapter directory in peft's format (what a server's LoRA endpoint loads), bytes and
   seconds;
 - merge: seconds to compute the merged full weights (what an in-process engine, or a server
@@ -51,7 +51,7 @@ def measure(shape: str, rank: int, repeats: int, batch: int, decode_tokens: int)
     from trainer.config import LoRAConfig
     from trainer.lora import apply_lora, lora_layers, merged_state_dict, save_adapter
     from trainer.policy import load_lm
-    from trainer.weight_sync import save_weights
+    from trainer.weight_files import save_weights
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     if shape == "embedded":

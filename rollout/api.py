@@ -158,16 +158,16 @@ def make_reward(spec: str | None, judge: Judge | None = None) -> RewardFn:
 
 
 def open_engine(config: EngineConfig, model_dir: Path, *, max_model_len: int | None = None, seed: int = 0,
-                model: Any = None) -> Any:  # fmt: skip
+                model: Any = None, pooled: bool = False) -> Any:  # fmt: skip
     """The engine of ``config``, not yet entered (``async with`` it, and use what entering returns):
-    servers, in-process SGLang or the embedded engine (on ``model`` when given, a module already
-    loaded, else ``model_dir``)."""
+    servers (behind a pool even when one, with ``pooled``: a training run's), in-process SGLang or the
+    embedded engine (on ``model`` when given, a module already loaded, else ``model_dir``)."""
     import dataclasses
 
     if config.urls:  # SGLang or vLLM servers; with server "auto", asked which on entry
         from rollout.engines.pool import open_servers
 
-        return open_servers(config.urls, config.server, config.http, config.pool)
+        return open_servers(config.urls, config.server, config.http, config.pool, pooled=pooled)
     if config.kind == "sglang":
         from rollout.engines.sglang_engine import SGLangEngine
 

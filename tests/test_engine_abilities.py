@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from rollout.engines.base import FlushesCache, LoadsWeightsFromDisk, StreamsGenerations
+from rollout.engines.base import FlushesCache, LoadsWeightsFromDisk, PushesWeights, StreamsGenerations
 from rollout.engines.local import LocalEngine
 from rollout.engines.pool import EnginePool
 from rollout.engines.sglang_engine import SGLangEngine
@@ -18,6 +18,7 @@ ABILITIES = {
     FlushesCache: ("flush_cache", [LocalEngine, SGLangHTTPEngine, VLLMHTTPEngine, EnginePool, SGLangEngine]),
     LoadsWeightsFromDisk: ("sync_weights_from_disk", [SGLangHTTPEngine, VLLMHTTPEngine, EnginePool]),
     StreamsGenerations: ("generate_stream", [LocalEngine]),
+    PushesWeights: ("push_weights", [EnginePool]),
 }
 CASES = [(ability, method, engine) for ability, (method, engines) in ABILITIES.items() for engine in engines]
 
@@ -37,5 +38,6 @@ def test_isinstance_tells_servers_from_in_process_engines():
     assert isinstance(client, LoadsWeightsFromDisk) and isinstance(pool, LoadsWeightsFromDisk)
     assert isinstance(client, FlushesCache) and not isinstance(client, StreamsGenerations)
     assert not isinstance(object(), FlushesCache)
+    assert isinstance(pool, PushesWeights) and not isinstance(client, PushesWeights)
     for in_process in (LocalEngine, SGLangEngine):
         assert not hasattr(in_process, "sync_weights_from_disk")

@@ -61,9 +61,13 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
         "time/update_cpu_s",
         "time/sync_cpu_s",
         "time/update_tokens_per_s",
+        "sync/weight_version",
+        "sync/servers_failed",
     ):
         assert key in history[-1]
-    assert set(history[-1]) - {"step"} == {k for k in history[-1] if k.split("/")[0] in ("rollout", "train", "time")}
+    families = ("rollout", "train", "sync", "time")
+    assert set(history[-1]) - {"step"} == {k for k in history[-1] if k.split("/")[0] in families}
+    assert [m["sync/weight_version"] for m in history] == [1, 2, 3]
     assert all(m["train/tokens"] > 0 and m["train/grad_norm"] > 0 for m in history)
     assert all(m["time/update_cpu_s"] > 0 for m in history)
     after = trainer.policy_state_dict()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from data.config_tree import ConfigError, check_fields, load_tree, to_dict
 from rollout.config import CommonConfig, GatewayConfig, JudgeConfig, PromptsConfig, RolloutConfig
-from rollout.engines.config import EngineConfig
+from rollout.engines.config import EngineConfig, WeightSyncConfig
 
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -206,7 +206,9 @@ class GRPOConfig(PromptsConfig):
     """Per-request limits and sampling of every step's rollout (``seed`` is set per step)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Where rollouts run: the embedded engine on a copy of the policy (synced in-process after
-    each step), or servers (``urls``) synced through ``/update_weights_from_disk``."""
+    each step), or servers (``urls``), synced after each step as ``weight_sync`` says."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the servers get each step's weights: broadcast, tensor or disk, in buckets, with deadlines."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The LLM judge of a ``judge`` reward."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)

@@ -41,7 +41,7 @@ from rollout.api import (
     setup_interactions,
     setup_tools,
 )
-from rollout.engines.base import Engine, LoadsWeightsFromDisk
+from rollout.engines.base import Engine, PushesWeights
 from rollout.gateway.agents import AgentDriver, load_agent
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
@@ -63,7 +63,10 @@ from trainer.grpo_async import train_async
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
 from trainer.policy import Policy, compute_dtype, load_lm
 from trainer.prompt_stream import PromptStream
-from trainer.weight_sync import adapter_sync_plan, save_adapter_version, sync_weights
+from trainer.weight_check import logprob_gap
+from trainer.weight_files import save_adapter_version
+from trainer.weight_source import PolicyWeights
+from trainer.weight_sync import plan_servers, sync_engine
 
 
 @dataclass
@@ -116,6 +119,8 @@ class GRPOTrainer:
         self.prompts = PromptStream(config)
         self.state = TrainerState()
         self.server_adapter = False  # LoRA: the servers load the adapter alone at each sync
+        self.weights = PolicyWeights(self.policy, self.tokenizer, self.out / "weights")  # what a sync sends
+        self.last_sync: dict[str, float] = {}  # the sync/ metrics of the last step
 
     @property
     def is_main(self) -> bool:
@@ -132,7 +137,8 @@ class GRPOTrainer:
         if not self.config.engine.urls and self.config.engine.kind == "local":
             policy = self.policy.engine_copy()
         return open_engine(self.config.engine, self.model_dir, max_model_len=self.config.rollout.max_model_len,
-                           seed=self.config.seed + 1000 * self.accelerator.process_index, model=policy)  # fmt: skip
+                           seed=self.config.seed + 1000 * self.accelerator.process_index, model=policy,
+                           pooled=True)  # fmt: skip
 
     # ----- one step ----------------------------------------------------------------------------
 
@@ -151,9 +157,10 @@ class GRPOTrainer:
 
         # 3. update: ppo_epochs passes, gradients accumulated over micro-batches
         with timer("update"):
+            self.weights.version = None  # changing: a server that comes back waits for the sync
             update = self.update(samples)
 
-        # 4. sync the engine (servers: save, then pause -> load -> continue)
+        # 4. sync the engine (servers: pause -> weights by broadcast, tensor or disk -> continue)
         with timer("sync"):
             if self.engine is not None:
                 await self.sync(self.engine, self.state.step + 1)
@@ -219,6 +226,7 @@ class GRPOTrainer:
             "step": self.state.step,
             **{f"rollout/{k}": v for k, v in {**rollout, **group_stats}.items()},
             **{f"train/{k}": v for k, v in update.items()},
+            **{f"sync/{k}": v for k, v in self.last_sync.items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
 
@@ -249,29 +257,32 @@ class GRPOTrainer:
 
     async def sync(self, engine: Engine, version: int) -> None:
         """The policy's weights (or LoRA adapter) to ``engine`` as ``version``. Servers are shared by
-        every process, so the main process saves and syncs them while the others wait."""
-        if not isinstance(engine, LoadsWeightsFromDisk):
-            await sync_weights(engine, self.policy.language_model(), self.policy.state_dict(), self.tokenizer,
-                               self.out / "weights", version)  # fmt: skip
-            return
-        state = None if self.server_adapter else self.policy.state_dict()  # (gathered by all under FSDP)
-        if self.is_main and self.server_adapter:
-            path = save_adapter_version(self.policy.peft, self.model_dir, self.out / "weights", version)
-            await engine.sync_adapter_from_disk(str(path.resolve()), version)
-        elif self.is_main:
-            await sync_weights(engine, self.policy.language_model(), state, self.tokenizer, self.out / "weights",
-                               version)  # fmt: skip
+        every process, so the main process syncs them while the others wait (under FSDP all gather
+        the full weights first); ``last_sync`` keeps the step's ``sync/`` metrics."""
+        servers = isinstance(engine, PushesWeights)
+        if self.server_adapter:
+            if self.is_main:
+                path = save_adapter_version(self.policy.peft, self.model_dir, self.out / "weights", version)
+                await engine.sync_adapter_from_disk(str(path.resolve()), version)  # type: ignore[attr-defined]
+            self.last_sync = {"weight_version": version, "servers_failed": 0.0}
+        else:
+            self.weights.gather()  # (a collective under FSDP)
+            try:
+                self.weights.version = version
+                if self.is_main or not servers:
+                    self.last_sync = await sync_engine(engine, self.weights, version)
+            finally:
+                self.weights.release()
+        if self.config.weight_sync.check_logprobs and (self.is_main or not servers):
+            rid = f"weight-check-{version}-{self.accelerator.process_index}"
+            self.last_sync["logprob_gap"] = await logprob_gap(engine, self.policy.language_model(), self.tokenizer, rid)
         await asyncio.to_thread(self.accelerator.wait_for_everyone)  # the event loop keeps requests moving
 
     async def plan_server_sync(self, engine: Engine) -> None:
-        """With LoRA and servers: adapter or merged weights at each sync (``adapter_sync_plan``),
-        decided and said before the first rollout."""
-        if self.config.lora is None or not isinstance(engine, LoadsWeightsFromDisk):
-            return
-        modules = sorted(self.policy.peft.peft_config["default"].target_modules)
-        self.server_adapter, line = await adapter_sync_plan(engine, self.config.lora, modules)
-        if self.is_main:
-            self.console.print(line)
+        """With servers: how each will take the weights (``plan_servers``), said before the first rollout."""
+        self.server_adapter, lines = await plan_servers(engine, self.config, self.policy, self.weights)
+        for line in lines if self.is_main else []:
+            self.console.print(line, highlight=False)
 
     def rollout_metrics(self, requests: list[AsyncRolloutRequest], policy_version: int = 0) -> dict[str, Any]:
         """The rollout statistics (``rollout/stats.py``) over every process, and the weight version."""
@@ -303,7 +314,7 @@ class GRPOTrainer:
                 self.engine = await stack.enter_async_context(self.open_engine())
             engine = self.engine
             await self.plan_server_sync(engine)
-            if isinstance(engine, LoadsWeightsFromDisk) or (resume and self.state.step):
+            if isinstance(engine, PushesWeights) or (resume and self.state.step):
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)
             self.metered = MeteredEngine(engine)

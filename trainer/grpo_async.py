@@ -79,6 +79,7 @@ async def async_step(trainer: Any, producer: GroupProducer, share: int) -> dict[
     stats.update(prompts_drawn=draws, draw_cap_hit=float(trained < share), dropped=dropped,
                  queued_groups=producer.queued())  # fmt: skip
     with timer("update"):
+        trainer.weights.version = None  # changing: a server that comes back waits for the sync
         rollout, stats, update = await asyncio.to_thread(async_update, trainer, taken, kept, stats, version)
     with timer("sync"):
         await trainer.sync(trainer.engine, version + 1)

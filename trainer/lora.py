@@ -59,20 +59,28 @@ def lora_layers(lm: torch.nn.Module) -> dict[str, Any]:
     return {name: module for name, module in lm.named_modules() if isinstance(module, LoraLayer)}
 
 
+def merged_names(lm: torch.nn.Module) -> dict[str, str]:
+    """{the base model's own name of each weight: its key in ``lm.state_dict()``} of a model holding an
+    adapter (the adapter's own weights left out)."""
+    return {key.replace(".base_layer.", "."): key for key in lm.state_dict() if "lora_" not in key}
+
+
+@torch.no_grad()
+def merged_weight(layer: Any) -> torch.Tensor:
+    """A LoRA layer's weight with its active adapters merged in (``W + scale * B @ A``), in the base's dtype."""
+    base = layer.get_base_layer().weight
+    delta = sum((layer.get_delta_weight(adapter) for adapter in layer.active_adapters), torch.zeros_like(base))
+    return base + delta.to(base.dtype)
+
+
 @torch.no_grad()
 def merged_state_dict(lm: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The full weights of ``lm`` (holding an adapter) with the adapter merged, under the base
     model's own names: what an engine without adapter support loads."""
-    layers = lora_layers(lm)
-    merged = {}
-    for key, value in lm.state_dict().items():
-        if "lora_" in key:
-            continue
-        merged[key.replace(".base_layer.", ".")] = value
-    for name, layer in layers.items():
-        base = layer.get_base_layer().weight
-        delta = sum((layer.get_delta_weight(adapter) for adapter in layer.active_adapters), torch.zeros_like(base))
-        merged[f"{name}.weight"] = base + delta.to(base.dtype)
+    state = lm.state_dict()
+    merged = {name: state[key] for name, key in merged_names(lm).items()}
+    for name, layer in lora_layers(lm).items():
+        merged[f"{name}.weight"] = merged_weight(layer)
     if dtype is not None:
         merged = {key: value.to(dtype) if value.is_floating_point() else value for key, value in merged.items()}
     return merged

@@ -1,80 +1,66 @@
 """Weight sync from the trainer to its engine after each optimizer step.
 
 In-process engines (the embedded one, in-process SGLang) take the state dict directly. Servers
-(``--engine-url``) take a saved model directory: the policy is written in safetensors to
-``out/weights/v{version}`` (a temporary directory renamed into place, so a server never reads
-half a file), then every server is paused, loads it through ``/update_weights_from_disk`` and
-continues. The servers must see the trainer's filesystem at that path.
+(``--engine-url``, always behind a pool: ``rollout/engines/pool.py``) take it as ``weight_sync``
+says, by the transport ``plan_sync`` chose for each before the first rollout
+(``rollout/engines/weight_plan.py``): a broadcast into their workers or tensors handed over on this
+machine, in buckets and in memory (``rollout/engines/weight_push.py``), or a saved model directory
+(``trainer/weight_files.py``: safetensors in ``out/weights/v{version}``, a temporary directory
+renamed into place so a server never reads half a file; the servers must see that path).
 
 With LoRA (``lora.sync``), servers that can load adapters get the adapter alone instead
-(``save_adapter_version``, ``sync_adapter_from_disk``: ``rollout/engines/server_adapters.py``);
+(``weight_files.save_adapter_version``, ``sync_adapter_from_disk``: ``rollout/engines/server_adapters.py``);
 ``adapter_sync_plan`` decides which, before the first rollout.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
-import torch
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING, Any
 
 from data.config_tree import ConfigError
-from data.files import atomic_directory
-from rollout.engines.base import Engine, LoadsAdapters, LoadsWeightsFromDisk
+from rollout.engines.base import Engine, LoadsAdapters, PushesWeights
+from rollout.engines.config import WeightSyncConfig
 from trainer.config import LoRAConfig
 
-KEEP_WEIGHT_DIRS = 2
-"""Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
+if TYPE_CHECKING:
+    from trainer.config import GRPOConfig
+    from trainer.weight_source import PolicyWeights
+
+async def plan_servers(engine: Engine, config: GRPOConfig, policy: Any,
+                       weights: PolicyWeights) -> tuple[bool, list[str]]:  # fmt: skip
+    """With servers: whether each sync sends the LoRA adapter alone (``adapter_sync_plan``), and the
+    lines that say how each server takes the weights (``plan_sync``); in-process engines: (False, [])."""
+    if not isinstance(engine, PushesWeights):
+        return False, []
+    lines = []
+    adapter = False
+    if config.lora is not None:
+        modules = sorted(policy.peft.peft_config["default"].target_modules)
+        adapter, line = await adapter_sync_plan(engine, config.lora, modules)
+        lines.append(line)
+    if not adapter:
+        lines += await plan_sync(engine, config.weight_sync, weights)
+    return adapter, lines
 
 
-def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, version: int,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
-    """Save ``model`` (safetensors, config, tokenizer; ``state_dict`` for its weights when given, as
-    gathered from FSDP shards) as ``weights_dir/v{version:06d}``, atomically; older versions beyond
-    ``KEEP_WEIGHT_DIRS`` are removed."""
-
-    def write(partial: Path) -> None:
-        hf_logging.disable_progress_bar()  # one save per step: no "Writing model shards" bar each time
-        try:
-            model.save_pretrained(partial, state_dict=state_dict, safe_serialization=True)
-        finally:
-            hf_logging.enable_progress_bar()
-        if tokenizer is not None:
-            tokenizer.save_pretrained(partial)
-
-    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
+async def plan_sync(engine: Engine, config: WeightSyncConfig, weights: PolicyWeights) -> list[str]:
+    """How each server will take the weights (said once, before the first rollout); a server that
+    cannot take them as asked, or serves a model of another shape, is a WeightSyncError naming it."""
+    if isinstance(engine, PushesWeights):
+        return await engine.plan_weight_sync(config, weights, weights.device)
+    return [f"weight sync: in process ({type(engine).__name__} takes the tensors themselves)"]
 
 
-def save_adapter_version(peft_model: Any, base_model: Path, weights_dir: Path, version: int) -> Path:
-    """The LoRA adapter alone (weights and config, in peft's format naming ``base_model``; a server
-    takes the tokenizer from its base) as ``weights_dir/v{version:06d}``, atomically; older versions
-    beyond ``KEEP_WEIGHT_DIRS`` are removed."""
-    from trainer.lora import save_adapter
-
-    def write(partial: Path) -> None:
-        save_adapter(peft_model, partial, base_model)
-        (partial / "README.md").unlink(missing_ok=True)  # (peft's model card: not for a server)
-
-    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
-
-
-def _keep_newest(final: Path) -> Path:
-    saved = sorted(p for p in final.parent.glob("v*") if not p.name.endswith(".partial"))
-    for old in saved[:-KEEP_WEIGHT_DIRS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-async def sync_weights(engine: Engine, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                       weights_dir: Path, version: int) -> int:  # fmt: skip
-    """Give ``engine`` the weights ``state_dict`` of ``model`` as ``version``; returns the version it reports."""
-    if isinstance(engine, LoadsWeightsFromDisk):
-        path = save_weights(model, tokenizer, weights_dir, version, state_dict)
-        return await engine.sync_weights_from_disk(str(path.resolve()), version)
-    return await engine.update_weights(state_dict, weight_version=version)
+async def sync_engine(engine: Engine, weights: PolicyWeights, version: int) -> dict[str, float]:
+    """Give ``engine`` the policy's weights as ``version``; the ``sync/`` metrics: the lowest version
+    a server reports after the sync and how many servers failed it (and left rotation)."""
+    if isinstance(engine, PushesWeights):
+        versions = await engine.push_weights(weights, version)
+        synced = [v for v in versions.values() if v is not None]
+        return {"weight_version": min(synced), "servers_failed": float(len(versions) - len(synced))}
+    reported = await engine.update_weights(weights.state_dict(), weight_version=version)
+    return {"weight_version": reported, "servers_failed": 0.0}
 
 
 async def adapter_sync_plan(engine: Engine, lora: LoRAConfig, modules: Sequence[str]) -> tuple[bool, str]:

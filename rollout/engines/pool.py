@@ -6,9 +6,12 @@ flight. A server whose connection fails is taken out at once and its requests ar
 another; a background health check (``/health``) puts it back when it answers again, after
 loading the pool's current weights, so a restarted server never serves stale ones.
 
-Weight sync: ``sync_weights_from_disk`` pauses every server, has each load the same saved
-weights, then lets them continue (requests aborted by the pause are resumed by the clients);
-``sync_adapter_from_disk`` does the same with a LoRA adapter.
+Weight sync (``pool_sync.py``): ``push_weights`` gives every server the trainer's weights in
+memory (a broadcast or tensors) or through disk, each by the transport ``plan_weight_sync`` chose
+for it before the first rollout; ``sync_weights_from_disk`` has each load the same saved weights,
+``sync_adapter_from_disk`` the same LoRA adapter. Each pauses every server first (requests aborted by
+the pause are resumed by the clients) and reads its version back after. A server that fails is taken
+out; one that comes back takes the current weights before it gets requests.
 
 Server kinds: each server gets the client of its kind (``sglang_http.py``, ``vllm_http.py``). With
 "auto", each URL is asked once when the pool opens (``detect_server``); a server that does not
@@ -19,21 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
-from rollout.engines.config import PoolConfig, SGLangHTTPConfig
+from rollout.engines.config import PoolConfig, SGLangHTTPConfig, WeightSyncConfig
+from rollout.engines.pool_sync import PoolWeights, ServerSync
 from rollout.engines.server_adapters import AdapterSupport
 from rollout.engines.sglang_http import RetryableError, ServerUnavailableError, SGLangHTTPEngine
 from rollout.engines.vllm_http import VLLMHTTPEngine
 from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.engines.base import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +110,16 @@ async def detected_client(url: str, config: SGLangHTTPConfig | None = None) -> A
         yield client
 
 
-def open_servers(
-    urls: list[str], server: ServerKind | Literal["auto"], http: SGLangHTTPConfig, pool: PoolConfig
-) -> Any:
+def open_servers(urls: list[str], server: ServerKind | Literal["auto"], http: SGLangHTTPConfig, pool: PoolConfig,
+                 pooled: bool = False) -> Any:  # fmt: skip
     """The engine for ``--engine-url``, not yet entered (``async with`` it): one server's client, or
-    a pool of several. With ``server`` "auto" the kind is asked on entry, so use what entering returns."""
+    a pool of several (``pooled``: a pool even of one, whose client has ``http``'s settings: training,
+    where the pool syncs weights and brings a restarted server back). With ``server`` "auto" the kind
+    is asked on entry, so use what entering returns."""
     if len(urls) > 1:
         return EnginePool(urls, pool, server)
+    if pooled:
+        return EnginePool(urls, dataclasses.replace(pool, client=http), server)
     if server == "auto":
         return detected_client(urls[0], http)
     return server_client(urls[0], server, http)
@@ -119,14 +132,19 @@ class ServerStats:
     ejections: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (the sync keeps per-server results)
 class _Server:
     index: int
     engine: ServerClient
     healthy: bool = True
     failed_checks: int = 0
-    weight_version: int | None = 0  # None: unknown (it was out, and may have restarted since)
+    sync: ServerSync = field(default_factory=ServerSync)
+    """How it takes weights, and the version it holds (None: unknown; it was out and may have restarted)."""
     stats: ServerStats = field(default_factory=ServerStats)
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.sync.version
 
     @property
     def url(self) -> str:
@@ -147,14 +165,11 @@ class EnginePool:
         self.urls = list(urls)
         self.server = server
         self.servers: list[_Server] = [] if server == "auto" else self._make_servers([server] * len(urls))
-        self.weight_version = 0
-        self.weights_path: str | None = None  # the weights (or LoRA adapter) every server must have loaded
-        self.weights_are_adapter = False
+        self.weights = PoolWeights()  # what every server must hold (pool_sync.py)
         self.failovers = 0
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._back = asyncio.Event()  # set when a server is put back
         self._health_task: asyncio.Task[None] | None = None
-        self._sync_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"EnginePool({self.urls})"
@@ -199,6 +214,7 @@ class EnginePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        await self.weights.close(self.servers)
         for server in self.servers:
             await server.engine.__aexit__(*exc_info)
 
@@ -258,7 +274,7 @@ class EnginePool:
     def _eject(self, server: _Server, reason: str) -> None:
         if server.healthy:
             server.healthy = False
-            server.weight_version = None  # whatever comes back at this URL may have restarted
+            server.sync.version = None  # whatever comes back at this URL may have restarted
             server.stats.ejections += 1
             logger.warning("engine pool: taking %s out: %s", server.url, reason)
 
@@ -275,21 +291,16 @@ class EnginePool:
             server.failed_checks = 0 if ok else server.failed_checks + 1
             if server.failed_checks >= self.config.failures_to_eject:
                 self._eject(server, "health check failed")
+            elif ok and (drift := await self.weights.drift(server)) is not None:
+                self._eject(server, drift)  # restarted between two checks: it serves its checkpoint
             return
         if not ok:
             return
-        async with self._sync_lock:  # a server coming back loads the pool's weights first
-            if self.weights_path is not None and server.weight_version != self.weight_version:
-                load = server.engine.update_adapter_from_disk if self.weights_are_adapter else (
-                    server.engine.update_weights_from_disk)  # fmt: skip
-                try:
-                    await load(self.weights_path, self.weight_version)
-                except EngineError:
-                    return
-                server.weight_version = self.weight_version
-            server.healthy, server.failed_checks = True, 0
-            self._back.set()
-            logger.warning("engine pool: %s is back (weight version %s)", server.url, server.weight_version)
+        if not await self.weights.bring_back(server):  # the pool's current weights first
+            return
+        server.healthy, server.failed_checks = True, 0
+        self._back.set()
+        logger.warning("engine pool: %s is back (weight version %s)", server.url, server.weight_version)
 
     async def health(self) -> bool:
         return any(s.healthy for s in self.servers)
@@ -308,39 +319,39 @@ class EnginePool:
     async def flush_cache(self) -> None:
         await asyncio.gather(*(self._quietly(s.engine.flush_cache()) for s in self.servers if s.healthy))
 
+    @property
+    def weight_version(self) -> int:
+        """The version every server must hold."""
+        return self.weights.version
+
+    async def plan_weight_sync(self, config: WeightSyncConfig, source: WeightSource, device: torch.device) -> list[str]:
+        """Choose each server's transport for ``push_weights`` and check that its model takes the
+        trainer's weights (WeightSyncError otherwise); one line per server saying how it syncs."""
+        return await self.weights.plan(self.servers, config, source, device)
+
+    async def push_weights(self, source: WeightSource, weight_version: int) -> dict[str, int | None]:
+        """Every healthy server: pause -> the trainer's weights, by its transport -> version read back ->
+        continue. A server that fails is taken out (and synced when it answers again); every server
+        failing is an EngineError. Returns each server's version (None: failed)."""
+        return await self.weights.push(self.servers, source, weight_version, self._eject)
+
     async def sync_weights_from_disk(self, model_path: str, weight_version: int) -> int:
         """Every healthy server: pause -> load ``model_path`` -> continue. A server that fails is
         taken out (it loads these weights when it comes back); no healthy server left is an error."""
-        return await self._sync_all(model_path, weight_version, adapter=False)
+        return await self.weights.load_from_disk(self.servers, model_path, weight_version, False, self._eject)
 
     async def sync_adapter_from_disk(self, adapter_path: str, weight_version: int) -> int:
         """``sync_weights_from_disk`` for a LoRA adapter (``rollout/engines/server_adapters.py``)."""
-        return await self._sync_all(adapter_path, weight_version, adapter=True)
+        return await self.weights.load_from_disk(self.servers, adapter_path, weight_version, True, self._eject)
 
     async def adapter_support(self, rank: int, modules: Sequence[str]) -> AdapterSupport:
         """Ready when every healthy server is; else the first server's reason."""
         found = await asyncio.gather(*(s.engine.adapter_support(rank, modules) for s in self.servers if s.healthy))
         return next((support for support in found if not support.ready), AdapterSupport(True))
 
-    async def _sync_all(self, path: str, weight_version: int, adapter: bool) -> int:
-        async with self._sync_lock:
-            self.weights_path, self.weight_version, self.weights_are_adapter = str(path), weight_version, adapter
-            targets = [s for s in self.servers if s.healthy]
-            calls = [s.engine.sync_adapter_from_disk if adapter else s.engine.sync_weights_from_disk for s in targets]
-            results = await asyncio.gather(*(call(path, weight_version) for call in calls), return_exceptions=True)
-            errors = []
-            for server, result in zip(targets, results, strict=True):
-                if isinstance(result, BaseException):
-                    errors.append(f"{server.url}: {result}")
-                    self._eject(server, str(result))
-                else:
-                    server.weight_version = weight_version
-            if len(errors) == len(targets):
-                raise EngineError(f"weight update {weight_version} failed on every server: {'; '.join(errors)}")
-        return weight_version
-
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
-        raise EngineError("servers load weights from disk: save them and call sync_weights_from_disk(path, version)")
+        raise EngineError("servers take weights through push_weights (broadcast, tensor or disk) or "
+                          "sync_weights_from_disk(path, version)")  # fmt: skip
 
     async def server_versions(self) -> dict[str, int | None]:
         """Each server's weight version as its /get_model_info reports it (None: unreachable)."""

@@ -17,24 +17,29 @@ budget, and every token records the weight version that produced it.
 
 Adapters (LoRA, ``rollout/engines/server_adapters.py``): ``/load_lora_adapter`` under a new name
 per version, named by each request's ``lora_path``, ``/unload_lora_adapter`` once unused, and
-``/update_weight_version``, all under one pause.
+``/update_weight_version``, all under one pause. Weights in memory (broadcast, tensor):
+``rollout/engines/sglang_weights.py``; the HTTP plumbing this client shares with vLLM's:
+``rollout/engines/server_http.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import orjson
 import yarl
 
-from rollout.deadlines import timeout_after
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
-from rollout.engines.server_adapters import AdapterSupport, ServesAdapters, pause_and_continue, sglang_adapter_support
+from rollout.engines.server_adapters import AdapterSupport, pause_and_continue, sglang_adapter_support
+from rollout.engines.server_http import (
+    RetryableError,
+    ServerHTTPClient,
+    ServerUnavailableError,
+)
 from rollout.engines.sglang_protocol import (
     generate_payload,
     generate_resuming,
@@ -43,125 +48,14 @@ from rollout.engines.sglang_protocol import (
     resumable,
     settled,
 )
-from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
+from rollout.retry import call_with_retries
 
-JSON_HEADERS = {"Content-Type": "application/json"}
-T = TypeVar("T")
+if TYPE_CHECKING:
+    import torch
 
-
-class RetryableError(EngineError):
-    """An attempt failed in a way that a later attempt (or another server) may not."""
-
-
-class ServerUnavailableError(EngineError):
-    """A server stayed unreachable (or kept answering 408 / 429 / 5xx) through every retry:
-    another server may still serve the request."""
-
-
-class ServerHTTPClient(ServesAdapters):
-    """One server's HTTP plumbing, shared by the SGLang and vLLM clients: the session, per-path
-    URLs and timeouts, retries of transient failures, control calls and ``/health``; the adapter
-    bookkeeping of ``ServesAdapters`` (each client makes the server's calls)."""
-
-    def __init__(self, url: str, config: SGLangHTTPConfig | None = None):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"engine URL {url!r} must start with http:// or https://")
-        self.url = url.rstrip("/")
-        self.config = config or SGLangHTTPConfig()
-        self.weight_version = 0
-        self.in_flight = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, yarl.URL] = {}
-        self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
-        self._init_adapters()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
-
-    async def __aenter__(self) -> Self:
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False)
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar(),  # servers set none; skips a cookie filter per request
-        )
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self.finish_unloads()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt()``, retried on RetryableError with this client's backoff (``rollout/retry.py``)."""
-        return await call_with_retries(
-            attempt, retries=self.config.max_retries, backoff=self._backoff, retry_on=(RetryableError,)
-        )
-
-    # ----- HTTP ----------------------------------------------------------------------------
-
-    def _url(self, path: str) -> yarl.URL:
-        """Parsed once per path (parsing a URL string costs more than the rest of a request's setup)."""
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = yarl.URL(self.url + path)
-        return url
-
-    def _require_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
-        return self._session
-
-    async def _post(self, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
-        """POST JSON, return the decoded body (JSON or text). Transient failures raise RetryableError."""
-        return await self._request("POST", path, payload, timeout_s)
-
-    async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
-        """Send one request, return the decoded body (JSON or text). Transient failures raise RetryableError.
-        ``timeout_s`` bounds the whole exchange through ``rollout.deadlines`` (aiohttp's own per-request
-        timer costs more; the connect timeout stays aiohttp's)."""
-        session, url = self._require_session(), self._url(path)
-        body = None if payload is None else orjson.dumps(payload)
-        headers = None if payload is None else JSON_HEADERS
-        try:
-            with timeout_after(timeout_s):
-                async with session.request(method, url, data=body, headers=headers) as response:
-                    raw = await response.read()
-                    status = response.status
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
-        except TimeoutError as exc:
-            raise RetryableError(f"{method} {url} timed out after {timeout_s:g} s") from exc
-        except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
-            raise RetryableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-        if status in RETRY_STATUSES:
-            raise RetryableError(f"{method} {url} answered HTTP {status}: {raw[:200].decode(errors='replace')}")
-        if status >= 400:
-            raise EngineError(f"{method} {url} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
-        try:
-            return orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError:
-            return raw.decode(errors="replace")
-
-    async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
-        """A control call, retried like generation but named in its error."""
-        try:
-            return await self._with_retries(lambda: self._request(method, path, payload, self.config.control_timeout_s))
-        except RetryableError as exc:
-            attempts = self.config.max_retries + 1
-            raise ServerUnavailableError(f"{self.url}{path} failed after {attempts} attempts: {exc}") from exc
-
-    async def health(self) -> bool:
-        """True when ``/health`` answers 200 within the connect timeout."""
-        try:
-            await self._request("GET", "/health", None, self.config.connect_timeout_s)
-            return True
-        except EngineError:
-            return False
+    from rollout.engines.config import WeightSyncConfig
+    from rollout.engines.weight_plan import ServerWeights
+    from rollout.engines.weight_push import Receiver
 
 
 class SGLangHTTPEngine(ServerHTTPClient):
@@ -341,8 +235,31 @@ class SGLangHTTPEngine(ServerHTTPClient):
     async def resume_memory_occupation(self) -> None:
         await self._control("POST", "/resume_memory_occupation", {})
 
+    # ----- weights in memory (rollout/engines/sglang_weights.py) -------------------------------------
+
+    async def weight_support(self) -> ServerWeights:
+        """What this server can take (broadcast, tensor), its device, dtype and model."""
+        from rollout.engines.sglang_weights import sglang_weight_support
+        from rollout.engines.weight_group import is_local_host
+
+        return await sglang_weight_support(self, is_local_host(yarl.URL(self.url).host or ""))
+
+    def weight_receiver(self, transport: str, server: ServerWeights, config: WeightSyncConfig,
+                        device: torch.device, dtype: torch.dtype, aliases: dict[str, str]) -> Receiver:  # fmt: skip
+        """The receiving end of ``transport`` for this server (``device``: where the trainer's weights are)."""
+        import torch
+
+        from rollout.engines.sglang_weights import SGLangBroadcast, SGLangTensor
+        from rollout.engines.weight_plan import backend_for
+
+        if transport == "broadcast":
+            backend = backend_for(server, config, device)
+            return SGLangBroadcast(self, server, dtype, backend, config.master_address, config.timeout_s)
+        where = device if server.device.startswith("cuda") and device.type == "cuda" else torch.device("cpu")
+        return SGLangTensor(self, server, dtype, where, config.timeout_s)
+
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
         raise EngineError(
-            f"{self.url}: a server loads weights from disk; save them (trainer.weight_sync.save_weights) "
-            "and call sync_weights_from_disk(path, version)"
+            f"{self.url}: a server takes weights through a pool's push_weights (broadcast, tensor or disk) "
+            "or sync_weights_from_disk(path, version)"
         )

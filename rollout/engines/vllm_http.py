@@ -68,13 +68,14 @@ import logging
 import shutil
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
-from rollout.engines.server_adapters import AdapterSupport, pause_and_continue, vllm_adapter_support
+from rollout.engines.server_adapters import AdapterSupport, vllm_adapter_support
 from rollout.engines.sglang_http import RetryableError, ServerHTTPClient, ServerUnavailableError
 from rollout.engines.sglang_protocol import generate_resuming, parse_weight_version
 from rollout.engines.vllm_protocol import (
@@ -86,6 +87,13 @@ from rollout.engines.vllm_protocol import (
     parse_completion,
     tied_lm_head_view,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.engines.config import WeightSyncConfig
+    from rollout.engines.weight_plan import ServerWeights
+    from rollout.engines.weight_push import Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -299,13 +307,53 @@ class VLLMHTTPEngine(ServerHTTPClient):
     async def _paused(self) -> AsyncIterator[None]:
         """New attempts of this client wait and the server is paused (in-flight requests aborted)
         until the block ends; one sync at a time."""
-        async with self._sync_lock:
-            self._not_syncing.clear()
-            try:
-                async with pause_and_continue(self):
-                    yield
-            finally:
-                self._not_syncing.set()
+        await self.pause_for_update()
+        complete = False
+        try:
+            yield
+            complete = True
+        finally:
+            await self.continue_after_update(complete, always=True)
+
+    async def pause_for_update(self) -> None:
+        """New attempts of this client wait and the server is paused (in-flight requests aborted), until
+        ``continue_after_update``; one update at a time."""
+        await self._sync_lock.acquire()
+        self._not_syncing.clear()
+        try:
+            await self.pause_generation()
+        except BaseException:
+            self._not_syncing.set()
+            self._sync_lock.release()
+            raise
+
+    async def continue_after_update(self, complete: bool, always: bool = False) -> None:
+        """Resume the server when the update ``complete``d (or ``always``: a disk reload that failed
+        left the old weights whole); a server left with part of its new weights stays paused."""
+        try:
+            if complete or always:
+                await self.continue_generation()
+        finally:
+            self._not_syncing.set()
+            self._sync_lock.release()
+
+    # ----- weights in memory (rollout/engines/vllm_weights.py) ------------------------------------
+
+    async def weight_support(self) -> ServerWeights:
+        """Whether this server can take a broadcast (rallyrl's worker extension), and its model."""
+        from rollout.engines.vllm_weights import vllm_weight_support
+        from rollout.engines.weight_group import is_local_host
+
+        return await vllm_weight_support(self, is_local_host(yarl.URL(self.url).host or ""))
+
+    def weight_receiver(self, transport: str, server: ServerWeights, config: WeightSyncConfig,
+                        device: torch.device, dtype: torch.dtype, aliases: dict[str, str]) -> Receiver:  # fmt: skip
+        """The receiving end of ``transport`` (broadcast: the only in-memory one vLLM takes here)."""
+        from rollout.engines.vllm_weights import VLLMBroadcast
+        from rollout.engines.weight_plan import backend_for
+
+        backend = backend_for(server, config, device)
+        return VLLMBroadcast(self, server, dtype, backend, config.master_address, config.timeout_s, aliases)
 
     # ----- LoRA adapters (rollout/engines/server_adapters.py) -----------------------------------
 
@@ -339,6 +387,6 @@ class VLLMHTTPEngine(ServerHTTPClient):
 
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
         raise EngineError(
-            f"{self.url}: a vLLM server loads weights from disk; save them (trainer.weight_sync.save_weights) "
-            "and call sync_weights_from_disk(path, version)"
+            f"{self.url}: a vLLM server takes weights through a pool's push_weights (a broadcast, or disk) "
+            "or sync_weights_from_disk(path, version)"
         )

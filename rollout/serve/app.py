@@ -11,7 +11,8 @@ compares them with a real SGLang and lists where rallyrl serve differs on purpos
 
 Weight updates follow SGLang: ``/update_weights_from_disk`` waits for the requests in flight
 (or aborts them with ``abort_all_requests``) while new ones wait, so every ``/generate``
-response comes from one weight version. ``/pause_generation`` aborts what is in flight (the
+response comes from one weight version; weights in memory (a broadcast, tensors) come through
+SGLang's session routes (``weight_routes.py``). ``/pause_generation`` aborts what is in flight (the
 clients resume it) and holds new requests until ``/continue_generation``.
 """
 
@@ -30,6 +31,7 @@ from rollout.serve.http import BadRequest, error_response
 from rollout.serve.native_routes import NativeRoutes
 from rollout.serve.openai_routes import OpenAIRoutes
 from rollout.serve.state import ServerState
+from rollout.serve.weight_routes import WeightRoutes
 
 __all__ = ["EngineServer", "ServeConfig", "serve"]
 
@@ -44,7 +46,8 @@ class EngineServer(ServerState):
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20, middlewares=[self._errors])
-        for method, path, handler in [*NativeRoutes(self).routes(), *OpenAIRoutes(self).routes()]:
+        routes = [*NativeRoutes(self).routes(), *WeightRoutes(self).routes(), *OpenAIRoutes(self).routes()]
+        for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         if self.config.faults is not None:
             install_faults(app, self.config.faults)

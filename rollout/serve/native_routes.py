@@ -144,6 +144,8 @@ class NativeRoutes:
                 "internal_states": [state],
                 "version": SERVER_VERSION,
                 "engine": type(server.engine).__name__,
+                "device": getattr(getattr(server.engine, "device", None), "type", "cpu"),
+                "dtype": str(getattr(server.engine, "dtype", "auto")).removeprefix("torch."),
             }
         )
 
@@ -176,6 +178,9 @@ class NativeRoutes:
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        if self.server.weights_half_updated:  # (SGLang would continue on them)
+            raise BadRequest("a weight update has loaded part of the new weights: end it with end_weight_update "
+                             "after the rest, or load whole weights, before generation continues")  # fmt: skip
         self.server.resume()
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 

@@ -48,6 +48,8 @@ class ServerState:
         self._in_flight = 0
         self._idle = asyncio.Condition()
         self._update_lock = asyncio.Lock()
+        self.weights_half_updated = False
+        """A weight-update session has loaded part of its weights (``weight_routes.py``): nothing generates."""
         self.counters = {"requests": 0, "generated_tokens": 0, "aborted": 0}
 
     # ----- generation ----------------------------------------------------------------------
@@ -175,8 +177,32 @@ class ServerState:
     def resume(self) -> None:
         """Let requests start again (once a weight update in progress is done)."""
         self._paused = False
-        if not self._update_lock.locked():
+        if not self._update_lock.locked() and not self.weights_half_updated:
             self._open.set()
+
+    async def hold_for_weights(self) -> None:
+        """Hold new requests and wait for the ones in flight: a session of weight updates begins (one at
+        a time, nor beside a load from disk) and lasts until ``release_after_weights``."""
+        await self._update_lock.acquire()
+        self._open.clear()
+        async with self._idle:
+            await self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def release_after_weights(self) -> None:
+        """The session of weight updates is over: requests start again unless generation is paused or
+        the weights are half updated (a bucket that failed to load)."""
+        self._update_lock.release()
+        if not self._paused and not self.weights_half_updated:
+            self._open.set()
+
+    def next_version(self, requested: Any) -> int:
+        """The weight version an update that names ``requested`` makes: its number ("7", "step_7"), else the next."""
+        return _version_number(requested, self.weight_version)
+
+    def name_version(self, new: int, requested: Any) -> None:
+        """Record ``new`` as the version served, under the name the update gave it (None: its number)."""
+        self.weight_version = new
+        self._version_names[new] = str(new if requested is None else requested)
 
     async def update_weights(self, model_path: str, version: Any, abort_all: bool) -> str | None:
         """Load the safetensors weights of a model directory between requests: new requests wait, the
@@ -190,9 +216,10 @@ class ServerState:
                     await self._idle.wait_for(lambda: self._in_flight == 0)
                 try:
                     state_dict = await asyncio.to_thread(load_weights_dir, Path(model_path))
-                    new = _version_number(version, self.weight_version)
-                    self.weight_version = await self.engine.update_weights(state_dict, weight_version=new)
-                    self._version_names[self.weight_version] = str(self.weight_version if version is None else version)
+                    new = self.next_version(version)
+                    await self.engine.update_weights(state_dict, weight_version=new)
+                    self.name_version(new, version)
+                    self.weights_half_updated = False  # whole weights again
                 except (OSError, ValueError, EngineError) as exc:
                     return f"{model_path}: {exc}"
             finally:

@@ -21,13 +21,21 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from data.tiny_model import EMBEDDED_MODEL
-from rollout.engines.launch import EngineKind, EngineNotInstalled, engine_python, engine_server
+from rollout.engines.launch import (
+    EngineKind,
+    EngineNotInstalled,
+    engine_python,
+    engine_server,
+    start_engine,
+    wait_ready,
+)
+from rollout.serve.processes import ServeProcess
 
 HERE = Path(__file__).resolve().parent
 
 
 SERVER_FIXTURES = {
-    "sglang": {"sglang_url", "_sglang_scratch", "sglang_scratch_url", "sglang"},
+    "sglang": {"sglang_url", "_sglang_scratch", "sglang_scratch_url", "sglang", "second_sglang"},
     "vllm": {"vllm_url", "own_vllm_url", "lora_vllm_url"},
 }
 """The session's servers of each kind, by the fixtures that start them."""
@@ -109,6 +117,23 @@ def sglang_scratch_url(_sglang_scratch) -> str:
     session, reset to the embedded model before each test."""
     reset_sglang(_sglang_scratch)
     return _sglang_scratch
+
+
+class RestartableServer:
+    """A real server that a test may kill and start again at the same URL (``restart``)."""
+
+    def __init__(self, kind: EngineKind, log_dir: Path, *flags: str):
+        self.kind, self.log_dir, self.flags = kind, log_dir, flags
+        self.process: ServeProcess = start_engine(kind, EMBEDDED_MODEL, log_dir, None, *flags)
+        wait_ready(self.process)
+        self.url = self.process.url
+
+    def restart(self) -> None:
+        """Kill it (SIGKILL, as a crash) and start it again on the same port, from its checkpoint."""
+        self.process.kill()
+        port = int(self.url.rsplit(":", 1)[1])
+        self.process = start_engine(self.kind, EMBEDDED_MODEL, self.log_dir, port, *self.flags)
+        wait_ready(self.process)
 
 
 @pytest.fixture(scope="session")

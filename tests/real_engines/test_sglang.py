@@ -1,7 +1,7 @@
 """rallyrl against a real SGLang 0.5.23 on this CPU (``.ci/install_engines sglang``): the CLI
 rollout, token ids and logprobs against the embedded model's own forward pass, GRPO training
-that syncs weights into the server every step (and a LoRA run's merged fallback: SGLang's CPU path
-cannot load adapters), a weight update in the middle of a rollout (pause,
+that broadcasts its weights into the server every step (and a LoRA run's merged fallback: SGLang's CPU
+path cannot load adapters), a weight update from disk in the middle of a rollout (pause,
 abort, resume from the tokens so far), two servers behind sglang-router and behind our pool, and
 the in-process ``sglang.Engine`` adapter for rollout and training."""
 
@@ -99,21 +99,28 @@ def served_logprobs(url: str, ids: list[int]) -> torch.Tensor:
     return torch.tensor([entry[0] for entry in body["meta_info"]["input_token_logprobs"][1:]])
 
 
-def test_train_syncs_weights_into_real_sglang_every_step(sglang_scratch_url, tmp_path, embedded_model):
+def test_train_broadcasts_weights_into_real_sglang_every_step_and_writes_none(sglang_scratch_url, tmp_path,
+                                                                               embedded_model):  # fmt: skip
     out = tmp_path / "run"
-    trained = run_cli("train", "--steps", "2", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
-                      "--engine-url", sglang_scratch_url, "--no-progress", timeout=900)  # fmt: skip
+    trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                      "--engine-url", sglang_scratch_url, "--no-progress", "--set", "weight_sync.check_logprobs=true",
+                      timeout=900)  # fmt: skip
     assert trained.returncode == 0, trained.stderr
+    said = [line for line in trained.stderr.splitlines() if line.startswith("weight sync: ")]
+    assert said == [f"weight sync: broadcast (gloo) into {sglang_scratch_url} (SGLang 0.5.23, cpu, float32)"]
     info = get_json(f"{sglang_scratch_url}/get_model_info")
     served = served_logprobs(sglang_scratch_url, FIXED_IDS)
-    assert info["weight_version"] == "2"
+    assert info["weight_version"] == "3"
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]  # the versions each step rolled out on
+    assert [m["sync/weight_version"] for m in metrics] == [1, 2, 3]  # and the server reported after each sync
     assert all(m["rollout/staleness_max"] == 0 for m in metrics)
-    # the server now serves exactly the trained policy: its logprobs are the final checkpoint's
+    # after each step the server's logprobs of a fixed prompt are the trainer's forward pass
+    assert all(m["sync/logprob_gap"] < 1e-5 for m in metrics), [m["sync/logprob_gap"] for m in metrics]
+    assert not (out / "weights").exists()  # nothing went through disk
     final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True, dtype=torch.float32)
     expected = reference_logprobs(final.eval(), FIXED_IDS)
-    assert torch.allclose(served, expected, atol=1e-4)
+    assert torch.allclose(served, expected, atol=1e-5)
     original = reference_logprobs(embedded_model, FIXED_IDS)
     assert not torch.allclose(original, expected, atol=1e-4)  # training changed the policy
 

