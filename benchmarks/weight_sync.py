@@ -1,7 +1,8 @@
 """Seconds per weight sync and bytes written to disk, by transport, into every server on this machine.
 
     python -m benchmarks.weight_sync [--models embedded qwen2.5-0.5b] [--servers serve sglang vllm]
-        [--transports disk broadcast tensor] [--repeats 3] [--bucket-mb 512] [--device cpu|cuda] [--json FILE]
+        [--transports disk broadcast tensor] [--repeats 3] [--bucket-mb 512] [--device cpu|cuda] [--profile]
+        [--json FILE]
 
 For each model (the embedded model; a Qwen2.5-0.5B-shaped model with random weights built in code,
 vocabulary 151,936, 494 M parameters, 1.98 GB in float32 with the tied head once: nothing downloads)
@@ -14,13 +15,19 @@ a new version. Reported per row: seconds per sync (median and range), the bytes 
 server's greedy tokens against the trainer's forward pass after the last sync (a check that the
 weights arrived whole), and the sync's ratio to the disk sync of the same server.
 
-What bounds each (the profile printed under the table, per model): ``wire``, the same buckets
+What bounds each (the profile printed under the table, per model; ``benchmarks/weight_sync_wire.py``):
+``wire``, the same buckets
 broadcast over gloo on loopback, tensor by tensor as the gloo path sends them, to a bare receiver
 process that allocates each tensor as SGLang does, with no server around it: the floor of a
 broadcast on this machine; ``fill``, the trainer copying every bucket into a flat buffer alone (the
 NCCL and CUDA IPC paths do; the gloo path sends each tensor from the trainer's own memory); ``save``,
 writing the model directory (the trainer's half of a disk sync, timed apart in each disk sync). A
-broadcast well above ``wire`` spends the rest in the server (receiving, loading, its answer).
+broadcast well above ``wire`` spends the rest in the server (receiving, loading, its answer). For the
+larger model also the same bytes to two bare receivers, in one group of three against two groups of
+two (rallyrl makes one group per server).
+
+``--profile``: one more broadcast sync per server with py-spy sampling the server's processes, and the
+functions they spent it in (the engine's own load, or the wait for the wire).
 
 ``--device cuda`` (a GPU machine): the trainer's weights on the GPU and ``rallyrl serve`` on the same GPU
 in float32 (the only server then): ``tensor`` goes by CUDA IPC (the server maps the trainer's buckets),
@@ -93,7 +100,7 @@ def server(kind: str, directory: Path, logs: Path, device: str) -> Iterator[Any]
 
 
 async def time_syncs(url: str, weights: Any, transport: str, bucket_mb: int, repeats: int,
-                     first_version: int) -> dict[str, Any]:  # fmt: skip
+                     first_version: int, spy_on: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``repeats`` syncs of ``weights`` into ``url`` by ``transport``: seconds and bytes written each."""
     from rollout.engines.config import WeightSyncConfig
     from rollout.engines.pool import EnginePool, PoolConfig
@@ -115,16 +122,37 @@ async def time_syncs(url: str, weights: Any, transport: str, bucket_mb: int, rep
             written.append(written_bytes() - before)
             assert versions == {url: version}, versions
         gap = await logprob_gap(pool, weights.policy.language_model(), weights.tokenizer, f"bench-{transport}")
+        spied = await spy(pool, weights, first_version + repeats, spy_on) if spy_on is not None else None
     return {"said": said, "seconds": seconds, "written_bytes": written, "logprob_gap": gap,
-            "save_s": statistics.median(saves) if saves else None}  # fmt: skip
+            "save_s": statistics.median(saves) if saves else None, "server_profile": spied}  # fmt: skip
 
 
-def profile(weights: Any, bucket_mb: int) -> dict[str, float]:
+async def spy(pool: Any, weights: Any, version: int, pid: int) -> list[tuple[float, str]]:
+    """One more sync with py-spy sampling the server's processes (``pid``'s and its children): where
+    the server spent that sync."""
+    import subprocess
+
+    from benchmarks.weight_sync_wire import top_frames
+
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        command = ["py-spy", "record", "--subprocesses", "--nonblocking", "-r", "200", "-f", "raw", "-o", out.name,
+                   "-p", str(pid)]  # fmt: skip
+        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await asyncio.sleep(1.0)  # (py-spy attaching)
+        weights.version = version
+        await pool.push_weights(weights, version)
+        recorder.send_signal(2)
+        await asyncio.to_thread(recorder.wait, 30)
+        return top_frames(Path(out.name).read_text())
+
+
+def profile(weights: Any, bucket_mb: int, fanout_too: bool) -> dict[str, Any]:
     """The buckets over gloo to a bare receiver (the floor of a broadcast); the trainer filling every
-    bucket flat alone (what NCCL and CUDA IPC buckets cost it)."""
+    bucket flat alone (what NCCL and CUDA IPC buckets cost it); with ``fanout_too``, the buckets to two
+    receivers in one group of three against two groups of two."""
     import torch
 
-    from benchmarks.weight_sync_wire import gloo_floor
+    from benchmarks.weight_sync_wire import gloo_fanout, gloo_floor
     from rollout.engines.weight_buckets import fill_bucket, plan_buckets
 
     plan = plan_buckets(weights.specs(), bucket_mb * 2**20)
@@ -134,7 +162,8 @@ def profile(weights: Any, bucket_mb: int) -> dict[str, float]:
         fill_bucket(buffer, bucket, weights.tensor)
     fill = time.perf_counter() - started
     wire = gloo_floor([[spec.nbytes for spec in bucket.specs] for bucket in plan])
-    return {"buckets": len(plan), "fill_s": fill, "wire_s": wire}
+    fanout = gloo_fanout([bucket.nbytes for bucket in plan]) if fanout_too else {}
+    return {"buckets": len(plan), "fill_s": fill, "wire_s": wire, "fanout": fanout}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -157,7 +186,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             parameters = sum(p.numel() for p in lm.parameters()) / 1e6
             print(f"\n{name}: {parameters:.1f} M parameters, {size / 2**20:,.0f} MiB sent per sync "
                   f"({len(weights.specs())} tensors)", flush=True)  # fmt: skip
-            prof = profile(weights, args.bucket_mb)
+            prof = profile(weights, args.bucket_mb, fanout_too=name != "embedded")
             version = 1
             for kind in args.servers:
                 if kind != "serve":
@@ -169,9 +198,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 transports = [t for t in args.transports if not (kind == "vllm" and t == "tensor")]
                 with server(kind, directory, work / "logs", args.device) as process:
                     for transport in transports:
+                        spy_on = process.process.pid if args.profile and transport == "broadcast" else None
                         result = asyncio.run(time_syncs(process.url, weights, transport, args.bucket_mb,
-                                                        args.repeats, version))  # fmt: skip
-                        version += args.repeats
+                                                        args.repeats, version, spy_on))  # fmt: skip
+                        version += args.repeats + 1
                         row = {"model": name, "server": kind, "transport": transport, "bytes": size, **result,
                                "profile": prof, "device": args.device}  # fmt: skip
                         rows.append(row)
@@ -194,6 +224,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--profile", action="store_true",
+                        help="Sample each server with py-spy during one more broadcast sync (pip install py-spy).")
     parser.add_argument("--json", type=Path, help="Write the rows here.")
     args = parser.parse_args()
     if args.device == "cuda":

@@ -120,3 +120,36 @@ def test_weight_sync_settings_are_checked():
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         WeightSyncConfig(timeout_s=0)
     assert WeightSyncConfig(bucket_mb=2).bucket_bytes == 2 * 2**20
+
+
+async def test_a_vllm_server_without_the_worker_extension_syncs_through_disk_and_says_how_to_broadcast():
+    from rollout.engines.vllm_http import VLLMHTTPEngine
+    from tests.test_vllm_http import FakeVLLM
+
+    for dev, fix in ((True, "runs without rallyrl's worker extension"), (False, "VLLM_SERVER_DEV_MODE=1")):
+        fake = FakeVLLM(dev=dev)
+        async with fake.running() as url, VLLMHTTPEngine(url) as engine:
+            support = await engine.weight_support()
+        assert fix in support.broadcast
+        assert "--worker-extension-cls rollout.engines.vllm_worker.WeightReceiver" in support.broadcast
+        assert choose_transport(support, WeightSyncConfig(), CPU) == "disk"
+        with pytest.raises(WeightSyncError, match="worker-extension-cls"):
+            choose_transport(support, WeightSyncConfig(transport="broadcast"), CPU)
+
+
+async def test_a_vllm_server_with_the_worker_extension_takes_a_broadcast_and_its_workers_give_its_model():
+    from rollout.engines.vllm_http import VLLMHTTPEngine
+    from tests.test_vllm_http import FakeVLLM
+
+    fake = FakeVLLM()
+    parallel = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                "worker_extension_cls": "rollout.engines.vllm_worker.WeightReceiver"}  # fmt: skip
+    fake.control["/server_info"] = lambda body: {"vllm_config": {
+        "model_config": {"dtype": "torch.bfloat16"}, "device_config": {"device": "cuda"}, "parallel_config": parallel}}
+    fake.control["/collective_rpc"] = lambda body: {"results": [{"hf_config": EMBEDDED_CONFIG}] * 2}
+    async with fake.running() as url, VLLMHTTPEngine(url) as engine:
+        support = await engine.weight_support()
+    assert support.broadcast is None and support.world_size == 2  # (the trainer, then two workers)
+    assert (support.device, support.dtype, support.model_config) == ("cuda", torch.bfloat16, EMBEDDED_CONFIG)
+    assert support.kind == "vLLM 0.32.0" and support.tensor is not None
+    assert choose_transport(support, WeightSyncConfig(), GPU) == "broadcast"  # (no tensors into vLLM)

@@ -2,7 +2,7 @@
 its weights every step and writes none to disk, a pool of two taking a broadcast and tensors, a server
 killed and restarted brought back to the current version, a server that stops answering mid-update
 taken out and never serving its half-loaded weights, and a model of another shape refused before the
-first step. The same against real SGLang and vLLM: ``tests/real_engines/test_weight_sync_engines.py``."""
+first step. The same against real SGLang and vLLM: ``tests/real_engines/test_sglang_pair.py``."""
 
 from __future__ import annotations
 

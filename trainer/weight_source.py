@@ -111,7 +111,9 @@ class PolicyWeights:
         self._gathered = self._current = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict (LoRA merged) for an in-process engine."""
+        """The full state dict (LoRA merged) for an in-process engine (under FSDP: the one ``gather`` made)."""
+        if self._gathered is not None:
+            return {**self._gathered, **{alias: self._gathered[kept] for alias, kept in self.aliases.items()}}
         return self.policy.state_dict()
 
     def _state(self) -> dict[str, torch.Tensor]:

@@ -194,6 +194,7 @@ class LocalEngine:
             for _, version, future in weights:
                 if not future.done():
                     future.set_result(version)
+            weights = []  # loaded: let go of the tensors (another process's memory, with CUDA IPC)
             for seq in finished:
                 self._resolve(seq, seq.finish or "abort")
             for seq in self._batch.running:

@@ -103,6 +103,15 @@ class PoolWeights:
         """Pause -> move the weights (each server by its transport) -> read back the version -> continue.
         Returns the servers that failed, with why."""
         errors: dict[Any, str] = {}
+        if self.device is None:
+            raise EngineError("plan_weight_sync before the first push (it chooses each server's transport)")
+        for server in [s for s in targets if not s.sync.planned]:  # unreachable when the run planned
+            try:
+                if await self._plan_one(server, source) is None:
+                    errors[server] = f"{server.url}: not reachable to plan its weight sync"
+            except EngineError as exc:  # (a model of another shape: this server's failure, not the run's)
+                errors[server] = str(exc)
+        targets = [s for s in targets if s not in errors]
         paused = []
         for server, result in zip(targets, await asyncio.gather(
                 *(s.engine.pause_for_update() for s in targets), return_exceptions=True), strict=True):  # fmt: skip
@@ -214,8 +223,6 @@ class PoolWeights:
         assert source is not None
         if source.version != self.version:
             return False  # the trainer's weights are changing: at its next push or the check after it
-        if not server.sync.planned and await self._plan_one(server, source) is None:
-            return False
         if server.sync.receiver is not None:
             await server.sync.receiver.abandon()  # its group and session died with the old process
         errors = await self._push([server], source, self.version)

@@ -40,7 +40,7 @@ from rollout.engines.weight_push import Receiver, Tensors, broadcast, side_by_si
 
 
 class SGLangClient(Protocol):
-    """What the receivers use of an SGLang client (``sglang_http.SGLangClient``)."""
+    """What the receivers use of an SGLang client (``sglang_http.SGLangHTTPEngine``)."""
 
     url: str
     weight_version: int
@@ -49,8 +49,11 @@ class SGLangClient(Protocol):
 
     async def weight_call(self, path: str, payload: dict[str, Any] | Iterable[bytes], timeout_s: float) -> Any: ...
 
+
 RALLYRL_SERVE = "rallyrl"
 """How ``rallyrl serve`` begins its ``/get_server_info`` ``version``."""
+QUICK_S = 5.0
+"""Deadline of leaving a group after a failure (a server that failed may not answer at all)."""
 
 
 async def sglang_weight_support(client: SGLangClient, local: bool) -> ServerWeights:
@@ -171,10 +174,12 @@ class SGLangBroadcast(SGLangSession):
         await side_by_side(call, broadcast(payload, self.group), self.url)
 
     async def abandon(self) -> None:
+        """Leave the group on both sides (the server's side best effort: it may not answer)."""
         if self.group is not None:
             group, self.group = self.group, None
             with contextlib.suppress(EngineError, TimeoutError):
-                await self._call("/destroy_weights_update_group", {"group_name": self.group_name})
+                body = {"group_name": self.group_name}
+                await self.client.weight_call("/destroy_weights_update_group", body, min(self.timeout_s, QUICK_S))
             destroy_weight_group(group)
 
 
@@ -182,6 +187,11 @@ class SGLangTensor(SGLangSession):
     """Buckets handed over on this machine: CUDA IPC handles on a GPU, the bytes themselves on a CPU."""
 
     transport = "tensor"
+
+    def __init__(self, client: SGLangClient, server: ServerWeights, dtype: torch.dtype, device: torch.device,
+                 timeout_s: float):  # fmt: skip
+        super().__init__(client, server, dtype, device, timeout_s)
+        self.flat = device.type == "cuda"  # one IPC handle per bucket; by value, the tensors themselves
 
     def describe(self) -> str:
         return "tensor (CUDA IPC)" if self.device.type == "cuda" else "tensor (by value)"

@@ -37,7 +37,7 @@ def pickle_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
         import torch.multiprocessing  # noqa: F401  (registers the CUDA reductions on ForkingPickler)
 
         buffer = io.BytesIO()
-        ForkingPickler(buffer, protocol=4).dump(list(named))
+        ForkingPickler(buffer, 4).dump(list(named))  # (its __init__ takes no keywords)
         return buffer.getvalue()
     own = [(name, t if t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous() else t.clone())
            for name, t in named]  # fmt: skip

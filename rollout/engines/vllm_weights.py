@@ -33,7 +33,7 @@ from rollout.engines.weight_push import Receiver, Tensors, broadcast, side_by_si
 
 
 class VLLMClient(Protocol):
-    """What the receiver uses of a vLLM client (``vllm_http.VLLMClient``)."""
+    """What the receiver uses of a vLLM client (``vllm_http.VLLMHTTPEngine``)."""
 
     url: str
     weight_version: int
@@ -43,9 +43,6 @@ class VLLMClient(Protocol):
     async def flush_cache(self) -> None: ...
 
     async def weight_call(self, path: str, payload: dict[str, Any], timeout_s: float) -> Any: ...
-
-EXTENSION = VLLM_EXTENSION
-"""The ``--worker-extension-cls`` a vLLM server needs for broadcasts."""
 
 
 async def vllm_weight_support(client: VLLMClient, local: bool) -> ServerWeights:
@@ -59,11 +56,11 @@ async def vllm_weight_support(client: VLLMClient, local: bool) -> ServerWeights:
     model = config.get("model_config") or {}
     device = str((config.get("device_config") or {}).get("device") or "cuda")
     world = int(parallel.get("tensor_parallel_size") or 1) * int(parallel.get("pipeline_parallel_size") or 1)
-    flag = f"restart it with --worker-extension-cls {EXTENSION} (rallyrl importable in vLLM's environment)"
+    flag = f"restart it with --worker-extension-cls {VLLM_EXTENSION} (rallyrl importable in vLLM's environment)"
     model_config: dict[str, Any] | None = None
     if info is None:
         broadcast = f"{client.url} serves no development endpoints: restart it with VLLM_SERVER_DEV_MODE=1 and {flag}"
-    elif parallel.get("worker_extension_cls") != EXTENSION:
+    elif parallel.get("worker_extension_cls") != VLLM_EXTENSION:
         broadcast = f"{client.url} runs without rallyrl's worker extension: {flag}"
     elif int(parallel.get("data_parallel_size") or 1) > 1:
         broadcast = f"{client.url} runs data-parallel replicas: give each replica's URL instead"
@@ -161,6 +158,6 @@ class VLLMBroadcast(Receiver):
             self._load = None
         if self.group is not None:
             group, self.group = self.group, None
-            with contextlib.suppress(EngineError, TimeoutError):
-                await self._rpc("rallyrl_leave_weight_group", self.timeout_s, group_name=self.group_name)
+            with contextlib.suppress(EngineError, TimeoutError):  # (best effort: it may not answer)
+                await self._rpc("rallyrl_leave_weight_group", min(self.timeout_s, 5.0), group_name=self.group_name)
             destroy_weight_group(group)

@@ -2,14 +2,16 @@
 
 The trainer hands a ``WeightSource`` (``trainer/weight_source.py``); each server that takes weights in
 memory has a ``Receiver`` (``sglang_weights.py`` for SGLang and ``rallyrl serve``, ``vllm_weights.py``
-for vLLM). ``push_buckets`` cuts the source into buckets once per (dtype, device) the receivers want
-and hands each bucket to every receiver side by side:
+for vLLM). ``push_buckets`` cuts the source into buckets once per (dtype, device, form) the receivers
+want and hands each bucket to every receiver side by side:
 
     begin (each server)  ->  bucket 1, 2, ... (each server; the next bucket fills meanwhile)  ->  end (each server)
 
 A receiver that fails or misses its deadline drops out with an error naming the server and the step
-(``begin``, the bucket, ``end``); the others go on. The trainer holds two buckets at most: the one on
-the way and the next, filled in a thread while the first travels. The caller (the pool,
+(``begin``, the bucket, ``end``); the others go on. A bucket goes flat (one ``uint8`` tensor: NCCL,
+CUDA IPC) or as its tensors themselves (gloo). Flat, the trainer holds two buckets at most: the one on
+the way and the next, filled in a thread while the first travels; as tensors, none (each is sent
+from the trainer's own memory, converted where the server's dtype differs). The caller (the pool,
 ``rollout/engines/pool.py``) pauses the servers first, reads back each server's version after, lets
 the ones that took everything continue and leaves the others paused (half their new weights must
 never serve) until a full push succeeds.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
@@ -67,7 +70,7 @@ class Receiver(abc.ABC):
 
     @abc.abstractmethod
     async def end(self, version: int) -> None:
-        """Close the update; the server now serves ``version`` (read back and compared)."""
+        """Close the update; the server now serves ``version`` (the caller reads it back)."""
 
     async def abandon(self) -> None:  # noqa: B027  (a default that does nothing, not an abstract method)
         """Forget the state a failed push left (a group, an open update), quietly; nothing by default."""
@@ -95,11 +98,13 @@ async def push_buckets(receivers: Sequence[Receiver], source: WeightSource, vers
         plan = plan_buckets(target_specs(specs, dtype), bucket_bytes)
         alive = await _each(group, lambda r, plan=plan: r.begin(version, plan), "begin", timeout_s, failed)
         payloads = (filled_buckets if flat else bucket_tensors)(plan, group[0].device, source.tensor)
-        async for bucket, payload in payloads:
-            if not alive:
-                break
-            where = bucket.describe(len(plan))
-            alive = await _each(alive, lambda r: r.send(bucket, payload, len(plan), version), where, timeout_s, failed)  # noqa: B023
+        async with contextlib.aclosing(payloads):  # (a bucket still filling is let go when every receiver failed)
+            async for bucket, payload in payloads:
+                if not alive:
+                    break
+                where = bucket.describe(len(plan))
+                alive = await _each(alive, lambda r: r.send(bucket, payload, len(plan), version), where, timeout_s,  # noqa: B023
+                                    failed)  # fmt: skip
         await _each(alive, lambda r: r.end(version), "end", timeout_s, failed)
     for receiver in failed:
         await receiver.abandon()

@@ -2,8 +2,9 @@
 rollout, token ids and logprobs against the embedded model's own forward pass, GRPO training
 that broadcasts its weights into the server every step (and a LoRA run's merged fallback: SGLang's CPU
 path cannot load adapters), a weight update from disk in the middle of a rollout (pause,
-abort, resume from the tokens so far), two servers behind sglang-router and behind our pool, and
-the in-process ``sglang.Engine`` adapter for rollout and training."""
+abort, resume from the tokens so far), and the in-process ``sglang.Engine`` adapter for rollout and
+training. Two servers (behind sglang-router and our pool, training into both, a restart):
+``test_sglang_pair.py``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import resolve_model
 from rollout.engines.base import SamplingParams
-from rollout.engines.launch import engine_server
 from rollout.engines.local import LocalEngine
 from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.loop import RolloutConfig
@@ -33,7 +33,6 @@ from tests.test_serve_processes import (
     calc_runner,
     get_json,
     read_jsonl,
-    router,
     save_perturbed_model,
 )
 
@@ -192,38 +191,6 @@ async def test_weight_update_mid_rollout_resumes_each_generation_on_the_new_weig
     assert_all_accounted(result, tmp_path / "out.jsonl", 32)
     assert server_version == 1
     assert_resumed_across_the_update(result)
-
-
-def served_requests(url: str) -> float:
-    """Requests a server started with ``--enable-metrics`` has finished (its Prometheus counter)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_requests_total"))  # fmt: skip
-
-
-async def test_two_real_servers_behind_sglang_router_and_behind_our_pool(sglang_url, engine_logs, tmp_path):
-    with engine_server("sglang", EMBEDDED_MODEL, engine_logs, "--enable-metrics") as second:
-        urls = [sglang_url, second.url]
-        before = [served_requests(u) for u in urls]
-        with router(urls, tmp_path / "router.log") as url:
-            async with SGLangHTTPEngine(url) as engine:
-                routed = await calc_runner(engine).run(make_task("calc", 16, seed=7), 2, tmp_path / "router.jsonl")
-        after_router = [served_requests(u) for u in urls]
-        out = tmp_path / "pool.jsonl"
-        pooled = run_cli("rollout", "--num-prompts", "16", "-n", "2", "--out", str(out), "--no-progress",
-                         *[arg for u in urls for arg in ("--engine-url", u)])  # fmt: skip
-        assert pooled.returncode == 0, pooled.stderr
-        after_pool = [served_requests(u) for u in urls]
-    assert_all_accounted(routed, tmp_path / "router.jsonl", 32)
-    assert routed.summary.finish_reasons.get("error", 0) == 0
-    assert routed.summary.consistency_failures == 0
-    assert all(b > a for a, b in zip(before, after_router, strict=True)), (before, after_router)  # spread
-    lines = read_jsonl(out)
-    assert len(lines) == 32 and all(line["finish_reason"] in ("stop", "length") for line in lines)
-    assert all(b > a for a, b in zip(after_router, after_pool, strict=True)), (after_router, after_pool)
 
 
 # ----- the in-process sglang.Engine (rollout/engines/sglang_engine.py) -------------------------------

@@ -1,8 +1,9 @@
-"""Weights in memory into real SGLang and vLLM on this CPU (``rollout/engines/weight_push.py``): a
-training run that broadcasts into two SGLang servers every step, an SGLang server killed between steps
-and restarted brought back to the current version by a new broadcast group, and servers of another
-model's shape refused before the first step, naming the parameter. One-server training runs:
-``test_sglang.py`` and ``test_vllm.py``; the same against ``rallyrl serve``: ``tests/test_weight_sync_serve.py``."""
+"""Two real SGLang servers on this CPU (one of the session's, one of this module's): behind sglang-router
+and behind our pool; a training run that broadcasts its weights into both every step
+(``rollout/engines/weight_push.py``); one killed between steps and restarted, brought back to the
+current version by a new broadcast group; and servers of another model's shape (SGLang and vLLM)
+refused before the first step, naming the parameter. One-server training runs: ``test_sglang.py`` and
+``test_vllm.py``; the same against ``rallyrl serve``: ``tests/test_weight_sync_serve.py``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.config import WeightSyncConfig
 from rollout.engines.pool import EnginePool, PoolConfig
+from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.tokens import load_tokenizer
 from tests.conftest import run_cli
 from tests.real_engines.conftest import RestartableServer, require_engine
-from tests.test_serve_processes import get_json, read_jsonl
+from tests.test_serve_processes import assert_all_accounted, calc_runner, get_json, read_jsonl, router
 from tests.test_weight_sync_serve import step_weights
 from trainer.weight_check import logprob_gap
 from trainer.weight_source import PolicyWeights
@@ -28,14 +31,45 @@ from trainer.weight_source import PolicyWeights
 @pytest.fixture(scope="module")
 def second_sglang(engine_logs) -> Iterator[RestartableServer]:
     """A second real SGLang server of the embedded model, for this module's tests (which change its
-    weights and restart it); started and stopped with the module (three SGLang servers at once are
-    as many as this machine's memory holds beside the rest)."""
+    weights and restart it, the last ones); started and stopped with the module (three SGLang servers
+    at once are as many as this machine's memory holds beside the rest)."""
     require_engine("sglang")
-    server = RestartableServer("sglang", engine_logs)
+    server = RestartableServer("sglang", engine_logs, "--enable-metrics")  # (the router test reads its counters)
     try:
         yield server
     finally:
         server.process.stop(timeout_s=20)
+
+
+def served_requests(url: str) -> float:
+    """Requests a server started with ``--enable-metrics`` has finished (its Prometheus counter)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total"))  # fmt: skip
+
+
+async def test_two_real_servers_behind_sglang_router_and_behind_our_pool(sglang_url, second_sglang, tmp_path):
+    urls = [sglang_url, second_sglang.url]
+    before = [served_requests(u) for u in urls]
+    with router(urls, tmp_path / "router.log") as url:
+        async with SGLangHTTPEngine(url) as engine:
+            routed = await calc_runner(engine).run(make_task("calc", 16, seed=7), 2, tmp_path / "router.jsonl")
+    after_router = [served_requests(u) for u in urls]
+    out = tmp_path / "pool.jsonl"
+    pooled = run_cli("rollout", "--num-prompts", "16", "-n", "2", "--out", str(out), "--no-progress",
+                     *[arg for u in urls for arg in ("--engine-url", u)])  # fmt: skip
+    assert pooled.returncode == 0, pooled.stderr
+    after_pool = [served_requests(u) for u in urls]
+    assert_all_accounted(routed, tmp_path / "router.jsonl", 32)
+    assert routed.summary.finish_reasons.get("error", 0) == 0
+    assert routed.summary.consistency_failures == 0
+    assert all(b > a for a, b in zip(before, after_router, strict=True)), (before, after_router)  # spread
+    lines = read_jsonl(out)
+    assert len(lines) == 32 and all(line["finish_reason"] in ("stop", "length") for line in lines)
+    assert all(b > a for a, b in zip(after_router, after_pool, strict=True)), (after_router, after_pool)
 
 
 def test_training_broadcasts_into_two_sglang_servers_every_step(sglang_scratch_url, second_sglang, tmp_path):
