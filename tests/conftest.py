@@ -191,3 +191,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def step_weights(model: torch.nn.Module, weights: Any, version: int) -> None:
+    """An optimizer step's worth of change to ``model``, and the version it makes (``weights``: the
+    ``trainer.weight_source.PolicyWeights`` over it), for the weight sync tests."""
+    generator = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.device) * 0.02)
+    weights.version = version

@@ -213,16 +213,18 @@ def test_train_with_lora_against_a_server_syncs_the_merged_weights(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1) as (server,):
         out = tmp_path / "run"
         trained = run_cli("train", "--steps", "2", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
-                          "--no-progress", "--set", "lora.rank=4", "--engine-url", server.url)  # fmt: skip
+                          "--no-progress", "--set", "lora.rank=4", "--set", "lora.alpha=64", "--lr", "1e-2",
+                          "--set", "weight_sync.check_logprobs=true", "--engine-url", server.url)  # fmt: skip
         assert trained.returncode == 0, trained.stderr
         assert get_json(f"{server.url}/get_model_info")["weight_version"] == "2"
     assert trained.stderr.count("lora: the servers get the adapter merged into full weights") == 1
-    assert [m["rollout/weight_version"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
-    assert is_adapter_dir(out / "final")
-    synced = AutoModelForCausalLM.from_pretrained(out / "weights" / "v000002")  # what the server loaded
-    final = AutoModelForCausalLM.from_pretrained(resolve_model(out / "final"))
-    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(6))
-    assert torch.allclose(logits(synced, ids), logits(final, ids), atol=1e-5)
+    assert f"weight sync: broadcast (gloo) into {server.url}" in trained.stderr  # merged weights, in memory
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    # after each step the server's logprobs are the adapted policy's: the merge arrived whole (a lost or
+    # stale merge is off by 1e-2 and more; float32 rounding of the strongly trained adapter reaches 1e-5)
+    assert all(m["sync/logprob_gap"] < 1e-4 for m in metrics), [m["sync/logprob_gap"] for m in metrics]
+    assert is_adapter_dir(out / "final") and not (out / "weights").exists()
 
 
 def test_an_agent_trains_the_adapter_through_the_gateway(tmp_path, tiny_model_dir):

@@ -171,14 +171,14 @@ def assert_resumed_across_the_update(result) -> None:
 
 
 @pytest.mark.slow
-def test_three_grpo_steps_against_two_servers_update_both(tmp_path):
+def test_three_grpo_steps_against_two_servers_update_both_through_disk(tmp_path):
     with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
         out = tmp_path / "run"
         urls = [arg for s in servers for arg in ("--engine-url", s.url)]
-        trained = run_cli(
-            "train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out), "--no-progress", *urls
-        )
+        trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
+                          "--no-progress", "--weight-sync", "disk", *urls)  # fmt: skip
         assert trained.returncode == 0, trained.stderr
+        assert trained.stderr.count("weight sync: disk (a saved model directory) into") == 2
         versions = [get_json(f"{s.url}/get_model_info")["weight_version"] for s in servers]
     assert versions == ["3", "3"]
     metrics = read_jsonl(out / "metrics.jsonl")

@@ -15,19 +15,13 @@ from rollout.engines.config import WeightSyncConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.serve.processes import serve_processes
 from rollout.tokens import load_tokenizer
+from tests.conftest import step_weights
 from trainer.weight_check import logprob_gap
 from trainer.weight_source import PolicyWeights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 
 
-def step_weights(model: torch.nn.Module, weights: PolicyWeights, version: int) -> None:
-    """An optimizer step's worth of change, and the version it makes (``test_weight_sync_serve.py``'s)."""
-    generator = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.device) * 0.02)
-    weights.version = version
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_tensor_by_cuda_ipc_into_rallyrl_serve_on_the_same_gpu(tmp_path, dtype):

@@ -21,7 +21,7 @@ from rollout.engines.config import WeightSyncConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.serve.processes import serve_processes, start_serve, wait_healthy
 from rollout.tokens import load_tokenizer
-from tests.conftest import run_cli
+from tests.conftest import run_cli, step_weights
 from tests.test_serve_processes import get_json, read_jsonl
 from trainer.weight_check import logprob_gap
 from trainer.weight_source import PolicyWeights
@@ -29,13 +29,6 @@ from trainer.weight_source import PolicyWeights
 FAST = PoolConfig(health_interval_s=0.3, failures_to_eject=2)
 
 
-def step_weights(model: torch.nn.Module, weights: PolicyWeights, version: int) -> None:
-    """An optimizer step's worth of change, and the version it makes."""
-    generator = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.device) * 0.02)
-    weights.version = version
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:

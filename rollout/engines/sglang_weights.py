@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,9 +33,9 @@ import torch
 from rollout.engines.base import EngineError
 from rollout.engines.tensor_payload import payload_chunks, pickle_named_tensors
 from rollout.engines.weight_buckets import Bucket, bucket_views
-from rollout.engines.weight_group import address_towards, destroy_weight_group, free_port, init_weight_group
+from rollout.engines.weight_group import destroy_weight_group
 from rollout.engines.weight_plan import ServerWeights, sglang_dtype
-from rollout.engines.weight_push import Receiver, Tensors, broadcast, side_by_side
+from rollout.engines.weight_push import Receiver, Tensors, broadcast, open_group, side_by_side
 
 
 class SGLangClient(Protocol):
@@ -145,24 +144,16 @@ class SGLangBroadcast(SGLangSession):
 
     async def _join(self) -> None:
         """Make the group: the server's call and the trainer's side of the rendezvous, side by side."""
-        from yarl import URL
 
-        address = self.master_address or address_towards(URL(self.url).host or "127.0.0.1")
-        port = free_port(address)
-        name = f"rallyrl-{uuid.uuid4().hex[:12]}"
-        world = 1 + self.server.world_size
-        mine = asyncio.ensure_future(asyncio.to_thread(
-            init_weight_group, self.backend, address, port, world, 0, name, self.timeout_s))  # fmt: skip
-        theirs = asyncio.ensure_future(self._call("/init_weights_update_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1, "world_size": world,
-            "group_name": name, "backend": self.backend,
-        }))  # fmt: skip
-        done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
-        if theirs in done and theirs.exception() is not None:
-            mine.add_done_callback(lambda task: task.exception() or destroy_weight_group(task.result()))
-            raise EngineError(f"joining a weight group: {theirs.exception()}")
-        self.group, _ = await asyncio.gather(mine, theirs)
-        self.group_name = name
+        async def join(address: str, port: int, name: str) -> Any:
+            return await self._call("/init_weights_update_group", {
+                "master_address": address, "master_port": port, "rank_offset": 1,
+                "world_size": 1 + self.server.world_size, "group_name": name, "backend": self.backend,
+            })  # fmt: skip
+
+        self.group, self.group_name = await open_group(
+            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join
+        )
 
     async def send(self, bucket: Bucket, payload: torch.Tensor | Tensors, count: int, version: int) -> None:
         """Broadcast the bucket beside its call; return with the call's answer (the next bucket's call

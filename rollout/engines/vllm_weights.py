@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -27,9 +26,9 @@ import torch
 from rollout.engines.base import EngineError
 from rollout.engines.launch import VLLM_EXTENSION
 from rollout.engines.weight_buckets import DTYPES, Bucket
-from rollout.engines.weight_group import address_towards, destroy_weight_group, free_port, init_weight_group
+from rollout.engines.weight_group import destroy_weight_group
 from rollout.engines.weight_plan import ServerWeights
-from rollout.engines.weight_push import Receiver, Tensors, broadcast, side_by_side
+from rollout.engines.weight_push import Receiver, Tensors, broadcast, open_group, side_by_side
 
 
 class VLLMClient(Protocol):
@@ -112,24 +111,18 @@ class VLLMBroadcast(Receiver):
         return await self.client.weight_call("/collective_rpc", body, deadline_s + 5)
 
     async def _join(self) -> None:
-        from yarl import URL
+        """Make the group: every worker joins (``/collective_rpc``) while the trainer opens it."""
 
-        address = self.master_address or address_towards(URL(self.url).host or "127.0.0.1")
-        port = free_port(address)
-        name = f"rallyrl-{uuid.uuid4().hex[:12]}"
-        world = 1 + self.server.world_size
-        mine = asyncio.ensure_future(asyncio.to_thread(
-            init_weight_group, self.backend, address, port, world, 0, name, self.timeout_s))  # fmt: skip
-        theirs = asyncio.ensure_future(self._rpc(
-            "rallyrl_join_weight_group", self.timeout_s, master_address=address, master_port=port, rank_offset=1,
-            world_size=world, group_name=name, backend=self.backend, timeout_s=self.timeout_s,
-        ))  # fmt: skip
-        done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
-        if theirs in done and theirs.exception() is not None:
-            mine.add_done_callback(lambda task: task.exception() or destroy_weight_group(task.result()))
-            raise EngineError(f"joining a weight group: {theirs.exception()}")
-        self.group, _ = await asyncio.gather(mine, theirs)
-        self.group_name = name
+        async def join(address: str, port: int, name: str) -> Any:
+            return await self._rpc(
+                "rallyrl_join_weight_group", self.timeout_s, master_address=address, master_port=port,
+                rank_offset=1, world_size=1 + self.server.world_size, group_name=name, backend=self.backend,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
+
+        self.group, self.group_name = await open_group(
+            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join
+        )
 
     async def begin(self, version: int, buckets: Sequence[Bucket]) -> None:
         if self.group is None:

@@ -201,21 +201,63 @@ def broadcast(payload: torch.Tensor | Tensors, group: Any) -> Any:
     return AllDone([dist.broadcast(tensor, src=0, group=group, async_op=True) for _, tensor in payload])
 
 
+async def open_group(url: str, backend: str, master_address: str | None, server_ranks: int, timeout_s: float,
+                     join: Callable[[str, int, str], Awaitable[Any]]) -> tuple[Any, str]:  # fmt: skip
+    """Make a weight group with the server at ``url``: the trainer opens it as rank 0 (in a thread: the
+    rendezvous waits for every rank) while ``join(address, port, name)`` has the server's
+    ``server_ranks`` ranks join; either failing ends the wait. Returns the group and its name."""
+    import uuid
+
+    from yarl import URL
+
+    from rollout.engines.weight_group import address_towards, destroy_weight_group, free_port, init_weight_group
+
+    address = master_address or address_towards(URL(url).host or "127.0.0.1")
+    port = free_port(address)
+    name = f"rallyrl-{uuid.uuid4().hex[:12]}"
+    mine = asyncio.ensure_future(asyncio.to_thread(
+        init_weight_group, backend, address, port, 1 + server_ranks, 0, name, timeout_s))  # fmt: skip
+    theirs = asyncio.ensure_future(join(address, port, name))
+    done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
+    if theirs in done and theirs.exception() is not None:  # (the rendezvous gives up at its own deadline)
+        mine.add_done_callback(lambda task: task.exception() or destroy_weight_group(task.result()))
+        raise EngineError(f"joining a weight group: {theirs.exception()}")
+    if mine in done and mine.exception() is not None:
+        theirs.cancel()
+        raise EngineError(f"opening a weight group on {address}:{port}: {mine.exception()}")
+    group, _ = await asyncio.gather(mine, theirs)
+    return group, name
+
+
+class CollectiveError(EngineError):
+    """A collective failed (a peer gone, the group's own deadline passed)."""
+
+
+async def collective_done(work: Any, watch: asyncio.Future[Any] | None = None) -> None:
+    """Wait until a collective (``async_op=True``) is done without holding the event loop (it is polled);
+    ``watch`` (the HTTP call the collective goes with) failing first raises its error at once; the
+    collective's own failure is a CollectiveError. The caller bounds the wait (``asyncio.timeout``)."""
+    delay = 0.0005
+    while not work.is_completed():
+        if watch is not None and watch.done() and not watch.cancelled() and watch.exception() is not None:
+            raise watch.exception()  # type: ignore[misc]
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise CollectiveError(str(exc)) from None
+
+
 async def side_by_side(call: asyncio.Future[Any], work: Any, where: str, wait_for_call: bool = True) -> Any:
     """Wait for an HTTP ``call`` and a collective ``work`` (``async_op=True``) that need each other: the
     collective's failure, or the call's, ends the wait at once (the other is left to its own deadline).
     Returns the call's answer (``wait_for_call`` False: returns once the collective is done, the call
     going on). The caller bounds the whole wait (``asyncio.timeout``)."""
-    delay = 0.0005
     try:
-        while not work.is_completed():
-            if call.done() and not call.cancelled() and call.exception() is not None:
-                raise call.exception()  # type: ignore[misc]
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
         try:
-            work.wait()
-        except RuntimeError as exc:
+            await collective_done(work, call)
+        except CollectiveError as exc:
             raise EngineError(f"{where}: the collective failed: {exc}") from None
         return await call if wait_for_call else None
     except BaseException:

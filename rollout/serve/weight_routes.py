@@ -22,7 +22,6 @@ the model (``check_state_dict``) before anything loads, so a mismatch answers 40
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from rollout.engines.local_model import check_state_dict
 from rollout.engines.tensor_payload import TensorPayloadError, load_named_tensors
 from rollout.engines.weight_buckets import bucket_views, read_bucket_specs
 from rollout.engines.weight_group import destroy_weight_group, init_weight_group
-from rollout.engines.weight_push import AllDone
+from rollout.engines.weight_push import AllDone, CollectiveError, collective_done
 from rollout.serve.http import BadRequest, json_response
 from rollout.serve.state import ServerState
 
@@ -210,16 +209,12 @@ class WeightRoutes:
 
 async def _completed(work: Any, timeout_s: float) -> None:
     """Wait for a collective without holding the event loop; its failure or ``timeout_s`` is a 400."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0005
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise BadRequest(f"the broadcast did not arrive within {timeout_s:g} s")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.01)
     try:
-        work.wait()
-    except RuntimeError as exc:
+        async with asyncio.timeout(timeout_s):
+            await collective_done(work)
+    except TimeoutError:
+        raise BadRequest(f"the broadcast did not arrive within {timeout_s:g} s") from None
+    except CollectiveError as exc:
         raise BadRequest(f"Failed to receive weights: {exc}") from None
 
 

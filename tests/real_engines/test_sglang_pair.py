@@ -20,10 +20,9 @@ from rollout.engines.config import WeightSyncConfig
 from rollout.engines.pool import EnginePool, PoolConfig
 from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.tokens import load_tokenizer
-from tests.conftest import run_cli
+from tests.conftest import run_cli, step_weights
 from tests.real_engines.conftest import RestartableServer, require_engine
 from tests.test_serve_processes import assert_all_accounted, calc_runner, get_json, read_jsonl, router
-from tests.test_weight_sync_serve import step_weights
 from trainer.weight_check import logprob_gap
 from trainer.weight_source import PolicyWeights
 
