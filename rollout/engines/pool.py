@@ -288,6 +288,8 @@ class EnginePool:
     async def _check(self, server: _Server) -> None:
         ok = await server.engine.health()
         if server.healthy:
+            if not ok and self.weights.lock.locked():
+                return  # busy taking weights (a push has deadlines of its own)
             server.failed_checks = 0 if ok else server.failed_checks + 1
             if server.failed_checks >= self.config.failures_to_eject:
                 self._eject(server, "health check failed")
