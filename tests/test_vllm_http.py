@@ -473,9 +473,9 @@ async def test_a_refused_prefix_cache_reset_is_an_engine_error():
             await engine.flush_cache()
 
 
-async def test_update_weights_with_tensors_says_to_sync_from_disk():
+async def test_update_weights_with_tensors_names_the_ways_a_vllm_server_takes_weights():
     async with VLLMHTTPEngine("http://127.0.0.1:1", FAST) as engine:
-        with pytest.raises(EngineError, match=r"loads weights from disk.*sync_weights_from_disk"):
+        with pytest.raises(EngineError, match=r"push_weights \(a broadcast, or disk\).*sync_weights_from_disk"):
             await engine.update_weights({}, 1)
 
 

@@ -24,13 +24,14 @@ class BadRequest(ValueError):
         self.kind: ErrorKind = kind
 
 
-async def json_body(request: web.Request, required: bool = False) -> dict[str, Any]:
-    """The JSON object of a request (the query of a GET); a missing body is ``{}`` unless ``required``."""
+async def json_body(request: web.Request, required: bool = False, limit: int | None = None) -> dict[str, Any]:
+    """The JSON object of a request (the query of a GET); a missing body is ``{}`` unless ``required``.
+    ``limit``: read up to that many bytes, past the application's own limit (one route's large bodies)."""
     if request.method == "GET" or not request.can_read_body:
         if required and request.method != "GET":
             raise BadRequest("the request has no body: send a JSON object", "schema")
         return dict(request.query)
-    raw = await request.read()
+    raw = await request.read() if limit is None else await _read_up_to(request, limit)
     if not raw.strip():
         if required:
             raise BadRequest("the request body is empty: send a JSON object", "schema")
@@ -42,6 +43,18 @@ async def json_body(request: web.Request, required: bool = False) -> dict[str, A
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", "schema")
     return body
+
+
+async def _read_up_to(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"the body of {request.content_length} bytes is over this route's {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(2**20):
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the body is over this route's {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:

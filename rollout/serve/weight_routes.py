@@ -33,7 +33,7 @@ from rollout.engines.tensor_payload import TensorPayloadError, load_named_tensor
 from rollout.engines.weight_buckets import bucket_views, read_bucket_specs
 from rollout.engines.weight_group import destroy_weight_group, init_weight_group
 from rollout.engines.weight_push import AllDone, CollectiveError, collective_done
-from rollout.serve.http import BadRequest, json_response
+from rollout.serve.http import BadRequest, json_body, json_response
 from rollout.serve.state import ServerState
 
 WEIGHT_TIMEOUT_S = 300.0
@@ -66,7 +66,7 @@ class WeightRoutes:
     # ----- groups --------------------------------------------------------------------------------
 
     async def init_group(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await json_body(request)
         name = _field(body, "group_name", str, "weight_update_group")
         backend = _field(body, "backend", str, "nccl")
         if backend not in ("gloo", "nccl"):
@@ -86,7 +86,7 @@ class WeightRoutes:
         return _answer(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        name = _field(await _body(request), "group_name", str, "weight_update_group")
+        name = _field(await json_body(request), "group_name", str, "weight_update_group")
         group = self.groups.pop(name, None)
         if group is None:
             return _answer(False, "The group to be destroyed does not exist.")
@@ -123,7 +123,7 @@ class WeightRoutes:
             raise BadRequest(f"{route} must run between begin_weight_update() and end_weight_update()")
 
     async def from_distributed(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await json_body(request)
         self._require_session("update_weights_from_distributed")
         name = _field(body, "group_name", str, "weight_update_group")
         group = self.groups.get(name)
@@ -158,7 +158,7 @@ class WeightRoutes:
         return _answer(True, "Succeeded to update parameter online." + message)
 
     async def from_tensor(self, request: web.Request) -> web.Response:
-        body = await _body(request, MAX_WEIGHT_BODY)
+        body = await json_body(request, limit=MAX_WEIGHT_BODY)
         self._require_session("update_weights_from_tensor")
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or not payloads:
@@ -216,31 +216,6 @@ async def _completed(work: Any, timeout_s: float) -> None:
         raise BadRequest(f"the broadcast did not arrive within {timeout_s:g} s") from None
     except CollectiveError as exc:
         raise BadRequest(f"Failed to receive weights: {exc}") from None
-
-
-async def _body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
-    """The request's JSON object; ``limit``: read up to that many bytes (past the server's usual limit)."""
-    import orjson
-
-    if limit is None:
-        from rollout.serve.http import json_body
-
-        return await json_body(request)
-    if request.content_length is not None and request.content_length > limit:
-        raise BadRequest(f"the body of {request.content_length} bytes is over this route's {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(2**20):
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"the body is over this route's {limit} bytes")
-        chunks.append(chunk)
-    try:
-        body = orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}", "schema") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", "schema")
-    return body
 
 
 def _field(body: dict[str, Any], name: str, kind: type, default: Any = ...) -> Any:
