@@ -73,6 +73,25 @@ def test_training_broadcasts_its_weights_into_the_server_every_step_and_writes_n
 
 
 @pytest.mark.slow
+def test_the_embedded_engine_takes_the_trainers_tensors_in_process_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    done = run_cli("train", "--steps", "2", "--prompts-per-step", "2", "-n", "2", "--out", str(out), "--no-progress",
+                   "--weight-sync", "tensor", "--set", "weight_sync.check_logprobs=true", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("weight sync: ")]
+    assert said == ["weight sync: tensor, in process (LocalEngine takes the trainer's tensors themselves)"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    assert [m["sync/weight_version"] for m in metrics] == [1, 2]
+    assert all(m["sync/logprob_gap"] < 1e-5 for m in metrics), [m["sync/logprob_gap"] for m in metrics]
+    assert not (out / "weights").exists()
+    for_servers = run_cli("train", "--steps", "1", "--prompts-per-step", "1", "-n", "1", "--out", str(tmp_path / "b"),
+                          "--no-progress", "--weight-sync", "broadcast", timeout=600)  # fmt: skip
+    assert for_servers.returncode == 0, for_servers.stderr[-3000:]
+    assert "weight_sync.transport broadcast is for servers (--engine-url)" in for_servers.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["broadcast", "tensor"])
 async def test_a_restarted_server_comes_back_at_the_current_version_before_it_gets_requests(
     tmp_path, trainer_weights, transport

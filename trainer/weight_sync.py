@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 async def plan_servers(engine: Engine, config: GRPOConfig, policy: Any,
                        weights: PolicyWeights) -> tuple[bool, list[str]]:  # fmt: skip
     """With servers: whether each sync sends the LoRA adapter alone (``adapter_sync_plan``), and the
-    lines that say how each server takes the weights (``plan_sync``); in-process engines: (False, [])."""
+    lines that say how each server takes the weights (``plan_sync``); in-process engines: (False,
+    the one line that says they take the tensors themselves)."""
     if not isinstance(engine, PushesWeights):
-        return False, []
+        return False, await plan_sync(engine, config.weight_sync, weights)
     lines = []
     adapter = False
     if config.lora is not None:
@@ -49,7 +50,10 @@ async def plan_sync(engine: Engine, config: WeightSyncConfig, weights: PolicyWei
     cannot take them as asked, or serves a model of another shape, is a WeightSyncError naming it."""
     if isinstance(engine, PushesWeights):
         return await engine.plan_weight_sync(config, weights, weights.device)
-    return [f"weight sync: in process ({type(engine).__name__} takes the tensors themselves)"]
+    line = f"weight sync: tensor, in process ({type(engine).__name__} takes the trainer's tensors themselves)"
+    if config.transport in ("broadcast", "disk"):
+        line += f"; weight_sync.transport {config.transport} is for servers (--engine-url)"
+    return [line]
 
 
 async def sync_engine(engine: Engine, weights: PolicyWeights, version: int) -> dict[str, float]:
