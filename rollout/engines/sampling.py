@@ -7,6 +7,10 @@ import torch
 
 from rollout.engines.base import SamplingParams
 
+GREEDY_BELOW = 1e-6
+"""Temperatures below this sample greedily (SGLang's ``_SAMPLING_EPS``): dividing the logits by them
+would overflow to inf and fail the whole batch's step."""
+
 
 def sample_tokens(
     logits: torch.Tensor,
@@ -18,7 +22,7 @@ def sample_tokens(
     Rows with their own generator in ``row_generators`` draw from it, the rest from ``generator``."""
     logits = logits.float()
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    greedy = temps == 0
+    greedy = temps < GREEDY_BELOW  # as SGLang: a temperature this small would overflow the division
     logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
     tokens = logprobs.argmax(dim=-1)
     if not bool(greedy.all()):
@@ -38,7 +42,7 @@ def sample_tokens(
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=probs.device)  # any int64
     ps = torch.tensor(top_p, device=probs.device)
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass before each token
