@@ -524,6 +524,19 @@ async def test_without_development_endpoints_generation_works_and_warns_that_the
     assert len(warnings) == 1 and "VLLM_SERVER_DEV_MODE=1" in warnings[0]
 
 
+async def test_a_server_info_that_answers_500_is_read_as_absent_once_with_the_reason_in_the_warning(caplog):
+    """vLLM's own environment report fails (500) when ``uv`` is not on its PATH: generation goes on."""
+    fake = FakeVLLM()
+    fake.control["/server_info"] = lambda body: web.Response(status=500, text="Internal Server Error")
+    async with fake.running() as url, VLLMHTTPEngine(url, FAST) as engine:
+        first = await engine.generate(PROMPT, sampling(temperature=0.6), "r1")
+        await engine.generate(PROMPT, sampling(temperature=0.6), "r2")
+    assert first.output_ids == [5, 6, 2]
+    assert [path for _, path, _ in fake.requests].count("/server_info?config_format=json") == 1  # not retried
+    warnings = [r.getMessage() for r in caplog.records if "logprobs-mode" in r.getMessage()]
+    assert len(warnings) == 1 and "answered HTTP 500" in warnings[0], warnings
+
+
 async def test_the_weight_version_a_server_already_has_is_read_when_the_client_starts():
     fake = FakeVLLM()
     fake.weight_version = "5"

@@ -27,7 +27,12 @@ T = TypeVar("T")
 
 
 class RetryableError(EngineError):
-    """An attempt failed in a way that a later attempt (or another server) may not."""
+    """An attempt failed in a way that a later attempt (or another server) may not; ``status``: the
+    HTTP status the server answered (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ServerUnavailableError(EngineError):
@@ -116,7 +121,7 @@ class ServerHTTPClient(ServesAdapters):
         except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
             raise RetryableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         if status in RETRY_STATUSES:
-            raise RetryableError(f"{method} {url} answered HTTP {status}: {raw[:200].decode(errors='replace')}")
+            raise RetryableError(f"{method} {url} answered HTTP {status}: {raw[:200].decode(errors='replace')}", status)
         if status >= 400:
             raise EngineError(f"{method} {url} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
         try:

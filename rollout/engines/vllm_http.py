@@ -199,10 +199,13 @@ class VLLMHTTPEngine(ServerHTTPClient):
         model, max_model_len = str(data[0]["id"]), data[0].get("max_model_len")
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise EngineError(f"{self.url}/v1/models gives no max_model_len for {model!r}")
-        try:
-            server_info = await self._control("GET", "/server_info?config_format=json")
-        except ServerUnavailableError:
-            raise
+        try:  # once: /v1/models has just answered
+            timeout_s = self.config.control_timeout_s
+            server_info = await self._request("GET", "/server_info?config_format=json", None, timeout_s)
+        except RetryableError as exc:
+            if exc.status is None:  # no answer at all
+                raise ServerUnavailableError(f"{self.url}/server_info: {exc}") from exc
+            return VLLMServerInfo(model, max_model_len, info_failed=str(exc))  # vLLM's own report failed
         except EngineError:
             return VLLMServerInfo(model, max_model_len)  # no development endpoints
         self.weight_version = await self.get_weight_version() or 0  # a server synced before this client
@@ -219,10 +222,12 @@ class VLLMHTTPEngine(ServerHTTPClient):
     def _warn_if_mode_unknown(self, info: VLLMServerInfo) -> None:
         if info.logprobs_mode is None and not self._warned_unknown_mode:
             self._warned_unknown_mode = True
+            why = info.info_failed or "serves no /server_info (start vLLM with VLLM_SERVER_DEV_MODE=1)"
             logger.warning(
-                "%s serves no /server_info (start vLLM with VLLM_SERVER_DEV_MODE=1): its --logprobs-mode is "
-                "unknown; logprobs are right only with processed_logprobs, or raw_logprobs at temperature 1",
+                "%s: %s: its --logprobs-mode is unknown; logprobs are right only with processed_logprobs, "
+                "or raw_logprobs at temperature 1",
                 self.url,
+                why,
             )
 
     # ----- control endpoints -------------------------------------------------------------------

@@ -34,6 +34,8 @@ class VLLMServerInfo:
     """``vllm_config.lora_config`` (None: started without ``--enable-lora``)."""
     env: dict[str, Any] | None = None
     """``vllm_env`` of ``/server_info`` (None without the development endpoints)."""
+    info_failed: str | None = None
+    """Why ``/server_info`` failed when the server has it but it answered a 5xx (read as if absent)."""
 
 
 def completion_payload(
