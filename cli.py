@@ -137,7 +137,7 @@ def rollout(
         with _errors_for_people():
             stack.enter_context(output_lock(out_path))  # held until the command ends
             done = finished_pairs(out_path, len(records), job.samples_per_prompt) if job.resume else set()
-            summary, ran = asyncio.run(rollout_summary(job, records, skip=done, console=console))
+            summary, ran, first_error = asyncio.run(rollout_summary(job, records, skip=done, console=console))
     except KeyboardInterrupt:
         total = len(records) * job.samples_per_prompt
         finished = count_lines(out_path)
@@ -152,6 +152,10 @@ def rollout(
         console.print(f"resumed: {len(done)} trajectories were already in {out_path}; added {ran}")
     else:
         console.print(f"wrote {ran} trajectories to {out_path}")
+    if ran and summary.error_rate >= job.fail_at_error_rate:
+        typer.echo(f"error: {summary.error_rate:.0%} of the trajectories ended in an error (fail_at_error_rate "
+                   f"{job.fail_at_error_rate:g}); the first: {first_error}", err=True)  # fmt: skip
+        raise typer.Exit(code=1)
 
 
 @app.command()

@@ -289,14 +289,15 @@ async def rollout_summary(
     *,
     skip: Collection[tuple[int, int]] = (),
     console: Console | None = None,
-) -> tuple[RolloutSummary, int]:
+) -> tuple[RolloutSummary, int, str | None]:
     """``rollout`` for a caller that needs only the aggregates (the CLI, through ``asyncio.run``):
-    the summary and how many trajectories were run; the trajectories themselves are in
-    ``config.out``. (A result that holds them all, handed back through ``asyncio.run``, has its
-    whole repr built twice on the way out, when the SIGINT handler is put back: 0.17 s each at
-    1,024 requests.)"""
+    the summary, how many trajectories were run and the first error among them (None: none); the
+    trajectories themselves are in ``config.out``. (A result that holds them all, handed back
+    through ``asyncio.run``, has its whole repr built twice on the way out, when the SIGINT handler
+    is put back: 0.17 s each at 1,024 requests.)"""
     result = await rollout(config, records, skip=skip, console=console)
-    return result.summary, len(result.requests)
+    first_error = next((f"{r.request_id}: {r.error}" for r in result.requests if r.error), None)
+    return result.summary, len(result.requests), first_error
 
 
 async def serve_gateway(config: GatewayJobConfig, console: Console | None = None) -> None:

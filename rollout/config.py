@@ -303,6 +303,9 @@ class RolloutJobConfig(PromptsConfig):
     """Output JSONL, one trajectory per line, in finishing order."""
     resume: bool = False
     """Keep the trajectories already in ``out`` and run only the missing (prompt, sample) pairs."""
+    fail_at_error_rate: float = 1.0
+    """The command exits 1, naming the first error, when this share of the trajectories it ran ended
+    in an error (1.0: all of them); they are all in ``out`` either way."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
@@ -312,6 +315,8 @@ class RolloutJobConfig(PromptsConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_judge(self.judge)
+        if not 0 < self.fail_at_error_rate <= 1:
+            raise ValueError(f"fail_at_error_rate must be a share in (0, 1], got {self.fail_at_error_rate}")
 
 
 @dataclass
