@@ -72,3 +72,5 @@ async def test_a_hostile_sampling_request_does_not_fail_the_generations_batched_
                 assert all(math.isfinite(lp) for lp, *_ in hostile["meta_info"]["output_token_logprobs"])
             status, answer = await generate({"temperature": -1.0})
             assert status == 400 and "temperature" in str(answer)
+            async with session.post(f"{server.url}/generate", json={"text": []}) as response:  # was an IndexError
+                assert response.status == 400 and "text: an empty list" in await response.text()

@@ -97,6 +97,8 @@ def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]]
     if texts is None:
         raise BadRequest("give text or input_ids")
     batched = isinstance(texts, list)
+    if batched and not texts:
+        raise BadRequest("text: an empty list (no prompts)")
     if not all(isinstance(t, str) for t in (texts if batched else [texts])):
         raise BadRequest("text: expected a string or a list of strings", "schema")
     prompts = [server.encode(t) for t in (texts if batched else [texts])]
