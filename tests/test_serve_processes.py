@@ -282,12 +282,14 @@ def test_rollout_against_an_unreachable_server_is_a_clear_error_before_any_reque
 
 @pytest.mark.slow
 def test_rollout_against_an_unreachable_sglang_server_ends_every_request_with_an_error(tmp_path):
-    """Named, the server is not asked: every request is tried, and each ends with the error."""
+    """Named, the server is not asked: every request is tried, and each ends with the error, written;
+    then the command exits 1 naming the first (every trajectory errored: fail_at_error_rate 1)."""
     out = tmp_path / "rollouts.jsonl"
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     made = run_cli("rollout", "--num-prompts", "4", "--engine-url", url, "--engine-server", "sglang", "--out",
                    str(out), "--no-progress")  # fmt: skip
-    assert made.returncode == 0, made.stderr
+    assert made.returncode == 1, made.stderr
+    assert "error: 100% of the trajectories ended in an error" in made.stderr and url in made.stderr
     lines = read_jsonl(out)
     assert len(lines) == 4
     assert all(line["finish_reason"] == "error" and url in line["error"] for line in lines)
