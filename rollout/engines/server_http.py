@@ -26,6 +26,10 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 T = TypeVar("T")
 
 
+KEEPALIVE_S = 4.0
+"""How long an idle connection to a server is kept (SGLang's and vLLM's uvicorn keep theirs 5 s)."""
+
+
 class RetryableError(EngineError):
     """An attempt failed in a way that a later attempt (or another server) may not; ``status``: the
     HTTP status the server answered (None: no answer)."""
@@ -61,7 +65,10 @@ class ServerHTTPClient(ServesAdapters):
         return f"{type(self).__name__}({self.url!r})"
 
     async def __aenter__(self) -> Self:
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False)
+        # idle connections closed before the server's own keep-alive (uvicorn: 5 s) can close them under a
+        # request: a weight call, not retried, written onto a connection the server just closed fails
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False,
+                                         keepalive_timeout=KEEPALIVE_S)  # fmt: skip
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
         self._session = aiohttp.ClientSession(
             connector=connector,
