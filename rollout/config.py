@@ -14,6 +14,8 @@ from typing import Literal
 
 from data.config_tree import check_fields
 from rollout.engines.config import EngineConfig, LocalEngineConfig
+from rollout.gateway_config import GatewayConfig
+from rollout.limits import ServeLimits
 
 
 @dataclass
@@ -154,42 +156,6 @@ class JudgeConfig:
                 raise ValueError(f"JudgeConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.template is not None and "{answer}" not in self.template:
             raise ValueError("JudgeConfig.template must contain {answer} (and usually {question} and {reference})")
-
-
-@dataclass
-class GatewayConfig:
-    """The agent gateway (``rollout/gateway/app.py``): an OpenAI-compatible endpoint that records each
-    agent run as a session, token for token, for training."""
-
-    host: str = "127.0.0.1"
-    """Interface to bind; loopback unless you mean to expose it."""
-    port: int = 0
-    """Port (0: pick a free one; ``rallyrl gateway`` prints the URL)."""
-    sampling: Literal["rollout", "request"] = "rollout"
-    """rollout: every call samples with ``rollout``'s temperature, top_p, top_k and per-turn seed, and at
-    most ``rollout.max_new_tokens`` (what the trainer assumes; the agent's own values are ignored);
-    request: the values the agent sends (OpenAI's defaults where it sends none)."""
-    agent_timeout_s: float = 600.0
-    """Wall-clock limit of one agent run (the entry point's call); a slower run ends with an error."""
-    session_timeout_s: float = 600.0
-    """A session with no call for this long is ended (finish_reason abort) and its memory freed."""
-    max_sessions: int = 4096
-    """Most sessions open at once; creating another is refused (HTTP 429)."""
-    keep_finished: int = 256
-    """Finished sessions kept in memory for ``GET /sessions/{id}`` (the oldest are forgotten first)."""
-    served_model_name: str | None = None
-    """Model name in ``/v1/models`` (default: the model directory's name). Any name is accepted in requests."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"GatewayConfig.port must be in 0..65535, got {self.port}")
-        for name in ("agent_timeout_s", "session_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_sessions", "keep_finished"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -335,7 +301,15 @@ class ServeConfig(CommonConfig):
     """Splits /v1/chat/completions answers into ``reasoning_content`` and ``content``
     (``RolloutConfig.reasoning_parser``'s names)."""
     api_key: str | None = None
-    """Require ``Authorization: Bearer <key>`` on every request."""
+    """Require ``Authorization: Bearer <key>`` on every request but the health probes (an empty key is refused)."""
+    weights_dirs: list[str] = field(default_factory=lambda: ["runs"])
+    """Directories ``/update_weights_from_disk`` may load from (with everything under them), besides the
+    served model's own; relative ones are taken from the directory the server starts in. The default
+    holds ``rallyrl train``'s ``runs/grpo/weights``; a run with another ``out`` adds its ``weights``."""
+    weight_load_timeout_s: float = 300.0
+    """Deadline of reading the weights of one ``/update_weights_from_disk``."""
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    """Bounds on one request (``rollout/limits.py``), checked before anything is queued."""
     engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     """The embedded engine behind the server."""
     faults: FaultConfig | None = None
@@ -345,6 +319,11 @@ class ServeConfig(CommonConfig):
         super().__post_init__()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: a server started with it would answer without a key; give a "
+                             "non-empty key, or none")  # fmt: skip
+        if not self.weight_load_timeout_s > 0:
+            raise ValueError(f"weight_load_timeout_s must be > 0, got {self.weight_load_timeout_s}")
         from rollout.parsers import get_parser
         from rollout.reasoning import get_reasoning_format
 

@@ -3,13 +3,24 @@ shapes SGLang gives them, and the served model's ``config.json``."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 from aiohttp import web
 
+from rollout.serve.guard import BodyTooLarge, read_limited
+
 ErrorKind = Literal["invalid", "schema", "contract"]
+
+
+PARSE_OFF_LOOP = 2**20
+"""Bodies at least this long are parsed on a worker thread, so the event loop (``/health``) keeps answering."""
+
+
+class TooLarge(ValueError):
+    """A body over the route's limit: answered with HTTP 413 and this message."""
 
 
 class BadRequest(ValueError):
@@ -26,35 +37,27 @@ class BadRequest(ValueError):
 
 async def json_body(request: web.Request, required: bool = False, limit: int | None = None) -> dict[str, Any]:
     """The JSON object of a request (the query of a GET); a missing body is ``{}`` unless ``required``.
-    ``limit``: read up to that many bytes, past the application's own limit (one route's large bodies)."""
+    ``limit``: read up to that many bytes (default: the route's limit, ``guard.read_limited``); a
+    longer body is a ``TooLarge`` (413). Bodies over ``PARSE_OFF_LOOP`` bytes are parsed on a thread."""
     if request.method == "GET" or not request.can_read_body:
         if required and request.method != "GET":
             raise BadRequest("the request has no body: send a JSON object", "schema")
         return dict(request.query)
-    raw = await request.read() if limit is None else await _read_up_to(request, limit)
+    try:
+        raw = await read_limited(request, limit)
+    except BodyTooLarge as exc:
+        raise TooLarge(str(exc)) from None
     if not raw.strip():
         if required:
             raise BadRequest("the request body is empty: send a JSON object", "schema")
         return {}
     try:
-        body = orjson.loads(raw)
+        body = orjson.loads(raw) if len(raw) < PARSE_OFF_LOOP else await asyncio.to_thread(orjson.loads, raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}", "schema") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", "schema")
     return body
-
-
-async def _read_up_to(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise BadRequest(f"the body of {request.content_length} bytes is over this route's {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(2**20):
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"the body is over this route's {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
