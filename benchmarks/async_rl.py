@@ -81,8 +81,10 @@ from rich.console import Console
 from benchmarks.async_rl_figures import add_time_to_sync_final, elapsed_times, observed_elapsed, step_walls, summarize
 from benchmarks.async_rl_report import WORKLOADS, clock_warning, fmt, plot, results_table
 from benchmarks.engines import machine_state
+from benchmarks.waits import stop_process
 from data.config_tree import ConfigError, build, merge_dotted, parse_set
 from data.files import atomic_write_bytes
+from rollout.serve.processes import stop_on_sigterm
 from trainer.config import EvalConfig, GRPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +122,8 @@ class Settings:
     checkpoint_every: int
     eval_prompts: int
     sets: tuple[str, ...] = ()
+    run_timeout_s: float = 4 * 3600.0
+    """Deadline of each ``rallyrl train`` run; past it the run is stopped and reported failed."""
 
 
 def run_values(workload: str, mode: str, settings: Settings, run_dir: Path) -> dict[str, Any]:
@@ -170,9 +174,10 @@ class Training:
     """The exit status and the log's last lines, if it failed."""
 
 
-def run_training(run_dir: Path) -> Training:
+def run_training(run_dir: Path, timeout_s: float = Settings.run_timeout_s) -> Training:
     """``rallyrl train --config run_dir/train.yaml`` as a subprocess, output to ``train.log``,
-    watching its ``metrics.jsonl`` for the time each step's line appears."""
+    watching its ``metrics.jsonl`` for the time each step's line appears; stopped (and failed) when
+    it has not finished within ``timeout_s``, and on every way out of this function."""
     from trainer.metrics_log import read_metrics
 
     config_path, log_path, metrics_path = run_dir / "train.yaml", run_dir / "train.log", run_dir / "metrics.jsonl"
@@ -192,16 +197,19 @@ def run_training(run_dir: Path) -> Training:
         process = subprocess.Popen([sys.executable, "-m", "cli", "train", "--config", str(config_path)],
                                    stdout=log, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
         try:
-            while process.poll() is None:
+            while process.poll() is None and time.monotonic() - start < timeout_s:
                 time.sleep(0.1)
                 watch()
-        finally:  # Ctrl-C or an error here: the run does not outlive the benchmark
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        finally:  # past the deadline, Ctrl-C, SIGTERM or an error here: the run does not outlive the benchmark
+            timed_out = process.poll() is None
+            stop_process(process, grace_s=30)
     training = Training(time.monotonic() - start, arrivals)
     watch()
-    if process.returncode != 0:
+    if timed_out:
+        training.error = (
+            f"rallyrl train did not finish within {timeout_s:g} s (--run-timeout-s); stopped (log {log_path})"
+        )
+    elif process.returncode != 0:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
         training.error = f"rallyrl train exited with {process.returncode} (log {log_path}):\n" + "\n".join(tail)
     return training
@@ -268,7 +276,7 @@ def run_one(workload: str, mode: str, settings: Settings, out: Path, evaluator: 
     if workload == "b":
         (run_dir / "slow_tools.yaml").write_text(slow_tools_yaml(settings.seed))
     console.print(f"[bold]{workload}/{mode}[/]: training {settings.steps} steps in {run_dir} ...", highlight=False)
-    training = run_training(run_dir)
+    training = run_training(run_dir, settings.run_timeout_s)
     metrics_path = run_dir / "metrics.jsonl"
     lines = read_metrics(metrics_path) if metrics_path.exists() else []
     if training.error is not None:
@@ -311,6 +319,7 @@ def run_benchmark(workloads: list[str], modes: list[str], settings: Settings, ou
     }
 
 
+@stop_on_sigterm()
 def main() -> None:
     defaults = GRPOConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -327,6 +336,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/async_rl"), help="run directories go here")
     parser.add_argument("--plot", type=Path, help="accuracy against wall time PNG (default: OUT/accuracy_vs_wall.png)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--run-timeout-s", type=float, default=Settings.run_timeout_s,
+                        help="deadline of each training run (it is stopped and reported failed past it)")  # fmt: skip
     args = parser.parse_args()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -335,7 +346,7 @@ def main() -> None:
     if args.steps < 1 or args.eval_prompts < 1 or args.checkpoint_every < 1:
         parser.error("--steps, --eval-prompts and --checkpoint-every must be >= 1")
     settings = Settings(args.steps, args.seed, args.max_staleness, args.checkpoint_every, args.eval_prompts,
-                        tuple(args.set))  # fmt: skip
+                        tuple(args.set), args.run_timeout_s)  # fmt: skip
     try:
         if taken := [key for key in parse_set(args.set) if key.split(".")[0] in CONTROLLED]:
             parser.error(f"--set {', '.join(taken)}: the benchmark sets it; use its flag (--steps, --seed, ...)")

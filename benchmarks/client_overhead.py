@@ -34,10 +34,12 @@ from benchmarks import clients
 from benchmarks.bare_client import BareClient
 from benchmarks.sim_server import raise_fd_limit
 from benchmarks.sim_tools import SimTool
-from benchmarks.tool_concurrency import sim_server
+from benchmarks.tool_concurrency import RUN_TIMEOUT_S, sim_server
+from benchmarks.waits import finish_within
 from benchmarks.workloads import W1, Scenario
 from rollout.engines.sglang_http import SGLangHTTPEngine
 from rollout.request import AsyncRolloutRequest
+from rollout.serve.processes import stop_on_sigterm
 from rollout.tokens import ChatTokenizer
 
 
@@ -141,13 +143,16 @@ def metered(meter: Meter, sync: dict, coroutines: dict) -> Iterator[None]:
                 setattr(owner, name, original)
 
 
-def breakdown(requests: int) -> tuple[list[tuple[str, float]], float, float, float]:
-    """(piece, us per turn) for rallyrl, its total, the bare client's total and its coroutines' part."""
+def breakdown(requests: int, run_timeout_s: float = RUN_TIMEOUT_S) -> tuple[list[tuple[str, float]], float, float,
+                                                                           float]:  # fmt: skip
+    """(piece, us per turn) for rallyrl, its total, the bare client's total and its coroutines' part;
+    WaitTimeout when a client's run takes longer than ``run_timeout_s``."""
     raise_fd_limit()
     scenario = Scenario.build(dataclasses.replace(W1, requests=requests))
     meter = Meter()
     with sim_server(scenario) as (url, _), metered(meter, SYNC, ASYNC):
-        run = asyncio.run(clients.run_rallyrl(scenario, url))
+        run = asyncio.run(finish_within(clients.run_rallyrl(scenario, url), run_timeout_s, "the rallyrl run",
+                                        "--run-timeout-s"))  # fmt: skip
     turns = run.turns
     rows = [(label, seconds / turns * 1e6) for label, seconds in meter.seconds.most_common()]
     outside = run.cpu_s - sum(meter.seconds.values())
@@ -155,16 +160,19 @@ def breakdown(requests: int) -> tuple[list[tuple[str, float]], float, float, flo
     bare_meter = Meter()
     scenario = Scenario.build(dataclasses.replace(W1, requests=requests))
     with sim_server(scenario) as (url, _), metered(bare_meter, {}, BARE):
-        bare = asyncio.run(clients.run_bare(scenario, url))
+        bare = asyncio.run(finish_within(clients.run_bare(scenario, url), run_timeout_s, "the bare client's run",
+                                         "--run-timeout-s"))  # fmt: skip
     bare_inside = sum(bare_meter.seconds.values()) / bare.turns * 1e6
     return rows, run.cpu_s / turns * 1e6, bare.cpu_s / bare.turns * 1e6, bare_inside
 
 
+@stop_on_sigterm()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=W1.requests)
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="deadline of each client's run")
     args = parser.parse_args()
-    rows, total, bare, bare_inside = breakdown(args.requests)
+    rows, total, bare, bare_inside = breakdown(args.requests, args.run_timeout_s)
     table = Table(title=f"client CPU per W1 turn, by piece ({args.requests} requests, meters on)")
     table.add_column("piece")
     table.add_column("us / turn", justify="right")

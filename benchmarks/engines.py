@@ -44,6 +44,11 @@ the rallyrl runs (cProfile slows the client: take the headline figures without i
 
 The machine's load average is printed at the start and the end, with the busiest processes at
 the start: on a shared 2-core machine other work changes every figure.
+
+Deadlines: a server that does not answer ``/health`` within ``--startup-timeout-s`` (240), or a run
+(the warm-up, a timed run, a cache flush) that does not finish within ``--run-timeout-s`` (900), ends
+its row, with the reason, and the benchmark goes on with the next engine. The servers are stopped
+(their whole process groups) on every way out: an error, Ctrl-C, SIGTERM.
 """
 
 from __future__ import annotations
@@ -75,18 +80,21 @@ from benchmarks.engine_clients import (
     replay_calls,
 )
 from benchmarks.engines_report import Row, Run, breakdown, results_table
+from benchmarks.waits import WaitTimeout, finish_within
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.api import open_engine
 from rollout.config import RolloutConfig
 from rollout.engines.config import EngineConfig
-from rollout.engines.launch import EngineNotInstalled, engine_server
+from rollout.engines.launch import READY_TIMEOUT_S, EngineNotInstalled, engine_server
 from rollout.runner import RolloutRunner
-from rollout.serve.processes import serve_processes
+from rollout.serve.processes import serve_processes, stop_on_sigterm
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.registry import DEFAULT_TOOLS, build_tools
 
 ENGINES = ("embedded", "serve", "sglang", "vllm")
+RUN_TIMEOUT_S = 900.0
+"""Deadline of each run (warm-up, timed run, cache flush): a server that stopped answering ends its row."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +116,6 @@ class Workload:
 
 
 QUICK = Workload(prompts=32)
-
-
 
 
 class Rollouts:
@@ -152,67 +158,86 @@ async def raw_run(raw: RawClient, rollouts: Rollouts, repeat: int, replays: int)
 
 
 async def bench_server(row: Row, url: str, protocol: Protocol, work: Workload, repeats: int, out_dir: Path,
-                       profile: bool = False, server_pgid: int | None = None) -> Row:  # fmt: skip
+                       profile: bool = False, server_pgid: int | None = None,
+                       run_timeout_s: float = RUN_TIMEOUT_S) -> Row:  # fmt: skip
     """Warm up, then ``repeats`` pairs of a rallyrl run and a raw replay of it on the server at ``url``
-    (whose processes are the group ``server_pgid``, when known)."""
+    (whose processes are the group ``server_pgid``, when known); WaitTimeout when one of them (or a
+    cache flush) takes longer than ``run_timeout_s``."""
     rollouts = Rollouts(work, out_dir, CpuMeter(server_pgid))
+
+    async def within(awaitable: Any, what: str) -> Any:
+        return await finish_within(awaitable, run_timeout_s, f"{row.engine} at {url}: {what}", "--run-timeout-s")
+
     async with open_engine(EngineConfig(urls=[url], server=protocol), EMBEDDED_MODEL) as engine, \
             RawClient(url, protocol) as raw:  # fmt: skip
-        await rollouts.run(engine, -1, warmup=True)  # new batch shapes, connections: paid here, untimed
-        await raw_run(raw, rollouts, -1, -1)
+        # new batch shapes, connections: paid here, untimed
+        await within(rollouts.run(engine, -1, warmup=True), "the rallyrl warm-up run")
+        await within(raw_run(raw, rollouts, -1, -1), "the raw warm-up run")
         rollouts.profiler = cProfile.Profile() if profile else None
         latest = -1
         for repeat in range(repeats):
             for client in ("rallyrl", "raw") if repeat % 2 == 0 else ("raw", "rallyrl"):
-                await raw.flush_cache()
+                await within(raw.flush_cache(), "flushing the prefix cache")
                 if client == "rallyrl":
-                    row.add(await rollouts.run(engine, repeat))
+                    row.add(await within(rollouts.run(engine, repeat), f"rallyrl run {repeat}"))
                     latest = repeat
                 else:
-                    row.add(await raw_run(raw, rollouts, repeat, latest))
+                    row.add(await within(raw_run(raw, rollouts, repeat, latest), f"raw run {repeat}"))
     row.cprofile = hottest(rollouts.profiler) if rollouts.profiler is not None else None
     return row
 
 
-async def bench_embedded(row: Row, work: Workload, repeats: int, out_dir: Path, profile: bool = False) -> Row:
+async def bench_embedded(row: Row, work: Workload, repeats: int, out_dir: Path, profile: bool = False,
+                         run_timeout_s: float = RUN_TIMEOUT_S) -> Row:  # fmt: skip
     rollouts = Rollouts(work, out_dir)
     max_model_len = work.rollout_config().max_model_len
     start = time.perf_counter()
     async with open_engine(EngineConfig(), EMBEDDED_MODEL, max_model_len=max_model_len, seed=work.seed) as engine:
         row.startup_s = time.perf_counter() - start
-        await rollouts.run(engine, -1, warmup=True)
+        await finish_within(rollouts.run(engine, -1, warmup=True), run_timeout_s, "embedded: the warm-up run",
+                            "--run-timeout-s")  # fmt: skip
         rollouts.profiler = cProfile.Profile() if profile else None
         for repeat in range(repeats):
             await engine.flush_cache()
-            row.add(await rollouts.run(engine, repeat))
+            run = rollouts.run(engine, repeat)
+            row.add(await finish_within(run, run_timeout_s, f"embedded: rallyrl run {repeat}", "--run-timeout-s"))
     row.cprofile = hottest(rollouts.profiler) if rollouts.profiler is not None else None
     return row
 
 
 def bench_row(engine: str, work: Workload, repeats: int, log_dir: Path, cprofile: bool = False,
-              console: Console | None = None) -> Row:  # fmt: skip
-    """One engine's row; a server that is not installed or does not start skips it, saying why."""
+              console: Console | None = None, startup_timeout_s: float = READY_TIMEOUT_S,
+              run_timeout_s: float = RUN_TIMEOUT_S) -> Row:  # fmt: skip
+    """One engine's row; a server that is not installed or does not start skips it, and a run past its
+    deadline ends it, saying why (the server is stopped either way)."""
     row = Row(engine, console=console)
-    if engine == "embedded":
-        return asyncio.run(bench_embedded(row, work, repeats, log_dir, cprofile))
-    with contextlib.ExitStack() as stack:
-        start = time.perf_counter()
-        try:
-            if engine == "serve":
-                threads = str(os.cpu_count() or 1)
-                (server,) = stack.enter_context(serve_processes(EMBEDDED_MODEL, log_dir, 1, "--threads", threads))
-            else:
-                server = stack.enter_context(engine_server(engine, EMBEDDED_MODEL, log_dir))  # type: ignore[arg-type]
-        except EngineNotInstalled as exc:
-            row.skipped = str(exc)
-            return row
-        except RuntimeError as exc:  # it exited or never became healthy: the message holds its log's end
-            row.skipped = f"{engine} did not start: {str(exc)[-1500:]}"
-            return row
-        row.startup_s = time.perf_counter() - start
-        protocol: Protocol = "vllm" if engine == "vllm" else "sglang"
-        pgid = server.process.pid  # started in a session of its own
-        return asyncio.run(bench_server(row, server.url, protocol, work, repeats, log_dir, cprofile, pgid))
+    try:
+        if engine == "embedded":
+            return asyncio.run(bench_embedded(row, work, repeats, log_dir, cprofile, run_timeout_s))
+        with contextlib.ExitStack() as stack:
+            start = time.perf_counter()
+            try:
+                if engine == "serve":
+                    flags = ("--threads", str(os.cpu_count() or 1))
+                    (server,) = stack.enter_context(serve_processes(EMBEDDED_MODEL, log_dir, 1, *flags,
+                                                                    ready_timeout_s=startup_timeout_s))  # fmt: skip
+                else:
+                    server = stack.enter_context(engine_server(engine, EMBEDDED_MODEL, log_dir,  # type: ignore[arg-type]
+                                                               ready_timeout_s=startup_timeout_s))  # fmt: skip
+            except EngineNotInstalled as exc:
+                row.skipped = str(exc)
+                return row
+            except RuntimeError as exc:  # it exited or never became healthy: the message holds its log's end
+                row.skipped = f"{engine} did not start (--startup-timeout-s {startup_timeout_s:g}): {str(exc)[-1500:]}"
+                return row
+            row.startup_s = time.perf_counter() - start
+            protocol: Protocol = "vllm" if engine == "vllm" else "sglang"
+            pgid = server.process.pid  # started in a session of its own
+            return asyncio.run(bench_server(row, server.url, protocol, work, repeats, log_dir, cprofile, pgid,
+                                            run_timeout_s))  # fmt: skip
+    except WaitTimeout as exc:
+        row.skipped = f"{exc}; the runs before it are kept in the JSON"
+        return row
     raise AssertionError("unreachable")
 
 
@@ -231,6 +256,7 @@ def machine_state() -> dict[str, Any]:
     return {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "busiest": busiest.splitlines()[:8]}
 
 
+@stop_on_sigterm()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK.prompts} prompts instead of {Workload.prompts}")
@@ -248,6 +274,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the breakdown on every server")
     parser.add_argument("--cprofile", action="store_true", help="also the client's hottest functions (slows it)")
     parser.add_argument("--log-dir", type=Path, help="servers' logs and rollout JSONL (default: a temp directory)")
+    parser.add_argument("--startup-timeout-s", type=float, default=READY_TIMEOUT_S,
+                        help="deadline of a server's start (until /health answers)")  # fmt: skip
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S,
+                        help="deadline of each run (warm-up, timed run, cache flush) on a server")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     engines = [name.strip() for name in args.engines.split(",") if name.strip()]
@@ -271,7 +301,8 @@ def main() -> None:
     rows = []
     for engine in engines:
         console.print(f"[bold]{engine}[/] ...")
-        row = bench_row(engine, work, args.repeats, log_dir, args.cprofile, console)
+        row = bench_row(engine, work, args.repeats, log_dir, args.cprofile, console, args.startup_timeout_s,
+                        args.run_timeout_s)  # fmt: skip
         if row.skipped:
             console.print(f"[yellow]{engine} skipped:[/] {row.skipped}", highlight=False)
         elif any(run.errors for run in row.runs):

@@ -15,9 +15,10 @@ embedded model, the model's compute too), wall time (a round's wall over its cal
 ``--concurrency`` conversations at once), what each gateway way adds to the native round run next
 to it, and the ratio.
 
-(b) ``--sessions`` sessions open at once: a client process opens them, makes each one's two calls
-(on the double) and holds them open; this process's RSS (the gateway's) is read before, at that
-point, at its peak, and after they are finished.
+(b) ``--sessions`` sessions open at once: a client process (``benchmarks/gateway_sessions.py``) opens
+them, makes each one's two calls (on the double) and holds them open; this process's RSS (the
+gateway's) is read before, at that point, at its peak, and after they are finished. The client
+process has ``--sessions-timeout-s`` (600) to open them, and as long to finish them.
 
 Prints tables; asserts only that both ways record the same tokens on the double.
 """
@@ -41,6 +42,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.waits import finish_within
 from data.agents import calc_openai
 from data.schema import Record
 from data.synthetic import calc_trace, make_calc_records
@@ -52,8 +54,12 @@ from rollout.gateway.agents import AgentDriver
 from rollout.loop import run_request
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import old_objects_frozen, request_from_record
+from rollout.serve.processes import stop_on_sigterm
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.calculator import CalculatorTool
+
+SESSIONS_TIMEOUT_S = 600.0
+"""Deadline of (b)'s client process opening its sessions, and of its finishing them."""
 
 # ----- the engine double ------------------------------------------------------------------------------
 
@@ -240,38 +246,12 @@ def overhead_table(title: str, results: dict[str, Rounds]) -> Table:
 # ----- (b) many sessions at once: the gateway's memory --------------------------------------------------------
 
 
-async def drive_sessions(url: str, count: int, records: int) -> None:
-    """The client process: open ``count`` sessions, make each one's two calls as the calc agent does,
-    print ``ready``, wait for a line on stdin, finish them all, print ``done``."""
-    tools = [calc_openai.CALCULATOR]
-    prompts = [r.prompt for r in make_calc_records(records)]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
-
-        async def session(i: int) -> str:
-            async with http.post(f"{url}/sessions", json={"session_id": f"r{i % records}-s{i}"}) as response:
-                sid = (await response.json())["session_id"]
-            messages: list[dict[str, Any]] = [dict(m) for m in prompts[i % records]]
-            for _ in range(2):
-                body = {"model": "m", "messages": messages, "tools": tools}
-                async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body) as response:
-                    message = (await response.json())["choices"][0]["message"]
-                messages.append(message)
-                for call in message.get("tool_calls") or []:
-                    result = calc_openai.calculator(call["function"]["arguments"])
-                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-            return sid
-
-        sids = await asyncio.gather(*(session(i) for i in range(count)))
-        print("ready", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        await asyncio.gather(*(http.post(f"{url}/sessions/{sid}/finish") for sid in sids))
-        print("done", flush=True)
-
-
-async def session_memory(tokenizer: Any, count: int, latency_s: float, trace: bool) -> dict[str, float]:
+async def session_memory(tokenizer: Any, count: int, latency_s: float, trace: bool,
+                         timeout_s: float = SESSIONS_TIMEOUT_S) -> dict[str, float]:  # fmt: skip
     """RSS of this process (the gateway's) with ``count`` sessions open after two calls each; with
     ``trace``, also the Python heap they hold (``tracemalloc``: exact, but slower and its own memory
-    inflates the RSS)."""
+    inflates the RSS). WaitTimeout when the client process takes longer than ``timeout_s`` to open
+    the sessions, or to finish them (it is killed)."""
     records = make_calc_records(min(count, 256))
     chat = ChatTokenizer(tokenizer, [calc_openai.CALCULATOR])
     engine = CalcEngine.for_records(records, chat, latency_s)
@@ -291,22 +271,27 @@ async def session_memory(tokenizer: Any, count: int, latency_s: float, trace: bo
             tracemalloc.start()
         sampler = asyncio.create_task(sample())
         client = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "benchmarks.gateway_overhead", "--drive", gateway.url, "--sessions", str(count),
-            "--records", str(len(records)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "benchmarks.gateway_sessions", gateway.url, str(count), str(len(records)),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert client.stdin is not None and client.stdout is not None
-        started = time.perf_counter()
-        line = await client.stdout.readline()
-        if line.strip() != b"ready":
-            raise RuntimeError(f"the client process failed: {line!r}; {await client.stdout.read()!r}")
-        opened_s = time.perf_counter() - started
-        rss_open, open_now, calls = me.memory_info().rss, len(gateway.sessions), gateway.counters["calls"]
-        heap_open = tracemalloc.get_traced_memory()[0] if trace else math.nan
-        client.stdin.write(b"finish\n")
-        await client.stdin.drain()
-        await client.stdout.readline()
-        await client.wait()
-        sampler.cancel()
+        try:
+            started = time.perf_counter()
+            what = f"(b)'s client process, opening {count} sessions"
+            line = await finish_within(client.stdout.readline(), timeout_s, what, "--sessions-timeout-s")
+            if line.strip() != b"ready":
+                raise RuntimeError(f"the client process failed: {line!r}; {await client.stdout.read()!r}")
+            opened_s = time.perf_counter() - started
+            rss_open, open_now, calls = me.memory_info().rss, len(gateway.sessions), gateway.counters["calls"]
+            heap_open = tracemalloc.get_traced_memory()[0] if trace else math.nan
+            client.stdin.write(b"finish\n")
+            what = f"(b)'s client process, finishing {count} sessions"
+            await finish_within(client.communicate(), timeout_s, what, "--sessions-timeout-s")
+        finally:
+            if client.returncode is None:
+                client.kill()
+                await client.wait()
+            sampler.cancel()
         rss_after, kept = me.memory_info().rss, len(gateway.finished)
         heap_after = tracemalloc.get_traced_memory()[0] if trace else math.nan
         tracemalloc.stop()
@@ -348,7 +333,7 @@ async def main(args: argparse.Namespace) -> None:
     records = make_calc_records(args.conversations)
     config = RolloutConfig(max_turns=calc_openai.MAX_TURNS, seed=0, max_model_len=1024)
 
-    runs = [await session_memory(tokenizer, args.sessions, args.latency_ms / 1e3, trace=i > 0)
+    runs = [await session_memory(tokenizer, args.sessions, args.latency_ms / 1e3, i > 0, args.sessions_timeout_s)
             for i in range(args.memory_runs)]  # fmt: skip
     console.print(memory_table(runs))
 
@@ -380,8 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-ms", type=float, default=2.0, help="the double's time per call")
     parser.add_argument("--sessions", type=int, default=1000, help="sessions open at once in (b)")
     parser.add_argument("--memory-runs", type=int, default=2, help="repetitions of (b); all but the first traced")
-    parser.add_argument("--drive", metavar="URL", help=argparse.SUPPRESS)  # the client process of (b)
-    parser.add_argument("--records", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--sessions-timeout-s", type=float, default=SESSIONS_TIMEOUT_S,
+                        help="deadline of (b)'s client process opening the sessions, and finishing them")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.conversations, args.embedded_conversations, args.rounds = 32, 8, 3
@@ -390,8 +375,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    if arguments.drive:
-        asyncio.run(drive_sessions(arguments.drive, arguments.sessions, arguments.records))
-    else:
-        asyncio.run(main(arguments))
+    with stop_on_sigterm():
+        asyncio.run(main(parse_args()))

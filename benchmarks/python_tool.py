@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from rollout.serve.processes import stop_on_sigterm
+
 PROGRAMS = [
     "print('hello')",
     "print(sum(i * i for i in range(200000)))",
@@ -82,6 +84,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
     return rounds
 
 
+@stop_on_sigterm()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=48)

@@ -12,13 +12,16 @@ through a pool (``rollout/engines/pool.py``) and writes JSONL as requests finish
 Printed: requests in, completed, errored, lost (must be 0), duplicated (must be 0), every
 JSONL line valid, create/release balance, peak RSS; then PASS, or FAIL with what went wrong and
 exit status 1. Not part of CI (it takes minutes); ``--requests 200`` is a quick check. Servers
-are started with ``rollout/serve/processes.py``.
+are started with ``rollout/serve/processes.py`` and stopped on every way out (Ctrl-C and SIGTERM
+included); the soak has ``--timeout-s`` (3600) in all, and each server ``--startup-timeout-s`` (90)
+to answer ``/health``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import resource
 import time
@@ -30,6 +33,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.waits import WaitTimeout
 from data.synthetic import make_task
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.config import RolloutConfig
@@ -37,12 +41,16 @@ from rollout.engines.config import PoolConfig, SGLangHTTPConfig
 from rollout.engines.pool import EnginePool
 from rollout.request import validate_trajectory
 from rollout.runner import RolloutRunner
-from rollout.serve.processes import ServeProcess, start_serve, wait_healthy
+from rollout.serve.processes import ServeProcess, start_serve, stop_on_sigterm, stop_servers, wait_healthy
 from rollout.tokens import ChatTokenizer, load_tokenizer
 from tools.base import ToolError, ToolResponse
 from tools.calculator import CalculatorTool
 
 FAULTS = ["--fault-error-rate", "0.05", "--fault-hang-rate", "0.02", "--fault-drop-rate", "0.03"]
+TIMEOUT_S = 3600.0
+"""Deadline of the whole soak (10,000 requests take about 6 minutes)."""
+STARTUP_TIMEOUT_S = 90.0
+"""Deadline of a server's start (until /health answers)."""
 
 
 class FlakyCalculator(CalculatorTool):
@@ -91,7 +99,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: Path, console: Console) -> dict:
+async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: Path, console: Console,
+               timeout_s: float = TIMEOUT_S, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> dict:  # fmt: skip
+    """The soak on ``servers``; WaitTimeout when the rollout has not ended ``timeout_s`` after it began."""
     tool = FlakyCalculator({"create": 0.01, "raise": 0.03, "hang": 0.01, "wrong_type": 0.02, "huge": 0.02,
                             "release": 0.01}, hang_s=3.0)  # fmt: skip
     chat = ChatTokenizer(load_tokenizer(EMBEDDED_MODEL), [tool.schema])
@@ -108,6 +118,13 @@ async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: P
         started = time.monotonic()
         while not rollout.done():
             await asyncio.sleep(0.5)
+            if time.monotonic() - started > timeout_s:
+                rollout.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rollout
+                done = out.read_bytes().count(b"\n") if out.exists() else 0
+                raise WaitTimeout(f"the soak did not finish within {timeout_s:g} s (--timeout-s): {done} of "
+                                  f"{prompts * 4} trajectories written")  # fmt: skip
             finished = out.read_bytes().count(b"\n") if out.exists() else 0
             if not killed and finished >= requests // 3:
                 await asyncio.to_thread(victim.kill)
@@ -116,7 +133,7 @@ async def soak(requests: int, servers: list[ServeProcess], out: Path, log_dir: P
             elif killed and not restarted and finished >= 2 * requests // 3:
                 port = int(victim.url.rsplit(":", 1)[1])
                 victim = servers[0] = await asyncio.to_thread(start_serve, EMBEDDED_MODEL, log_dir, port, *FAULTS)
-                await asyncio.to_thread(wait_healthy, victim.url, victim.process, victim.log)
+                await asyncio.to_thread(wait_healthy, victim.url, victim.process, victim.log, startup_timeout_s)
                 restarted = True
                 console.print(f"restarted {victim.url} after {finished} trajectories")
         result = await rollout
@@ -171,23 +188,28 @@ def soak_failures(figures: dict[str, Any]) -> list[str]:
     return failures
 
 
+@stop_on_sigterm()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("soak.jsonl"))
+    parser.add_argument("--timeout-s", type=float, default=TIMEOUT_S, help="deadline of the whole soak")
+    parser.add_argument("--startup-timeout-s", type=float, default=STARTUP_TIMEOUT_S,
+                        help="deadline of a server's start")  # fmt: skip
     args = parser.parse_args()
     console = Console(stderr=True)
     log_dir = args.out.resolve().parent
-    servers = [start_serve(EMBEDDED_MODEL, log_dir, None, *FAULTS) for _ in range(args.servers)]
+    servers: list[ServeProcess] = []
     try:
+        for _ in range(args.servers):
+            servers.append(start_serve(EMBEDDED_MODEL, log_dir, None, *FAULTS))
         for server in servers:
-            wait_healthy(server.url, server.process, server.log)
-        figures = asyncio.run(soak(args.requests, servers, args.out, log_dir, console))
+            wait_healthy(server.url, server.process, server.log, args.startup_timeout_s)
+        figures = asyncio.run(soak(args.requests, servers, args.out, log_dir, console, args.timeout_s,
+                                   args.startup_timeout_s))  # fmt: skip
     finally:
-        for server in servers:
-            if server.process.poll() is None:
-                server.kill()
+        stop_servers(servers, timeout_s=5.0)
     table = Table(title="soak")
     table.add_column("figure")
     table.add_column("value", justify="right")

@@ -20,6 +20,9 @@ times, alternately, each against a fresh server; each row is that client's round
 per turn (client CPU on a shared 2-core machine moves by 20 % from run to run; a ratio of medians
 of interleaved rounds moves much less).
 A Markdown table, a JSON file and a PNG timeline (requests down, time across, colored by state).
+Deadlines: a simulated server that is not ready within ``SERVER_READY_S``, or a client's run that
+takes longer than ``--run-timeout-s`` (600 s), ends the benchmark with an error naming it; the
+simulated servers are stopped on every way out (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ from rich.table import Table
 from benchmarks.bound import BoundResult, asynchronous_bound, batch_level_bound
 from benchmarks.clients import ClientRun, run_bare, run_batch_level, run_rallyrl
 from benchmarks.sim_server import raise_fd_limit
+from benchmarks.waits import finish_within, read_line, stop_process
 from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
 from data.files import atomic_write_bytes, atomic_write_with
+from rollout.serve.processes import stop_on_sigterm
 
 COLORS = {"running": "#3b76af", "tool": "#ef8636", "user": "#519e3e"}
+SERVER_READY_S = 60.0
+"""Deadline of a simulated server's start (until it says ``ready``)."""
+RUN_TIMEOUT_S = 600.0
+"""Deadline of one client's run against a simulated server (the full workloads take under a minute)."""
 
 
 @contextlib.contextmanager
@@ -60,7 +69,7 @@ def sim_server(scenario: Scenario) -> Iterator[tuple[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = process.stdout.readline()  # type: ignore[union-attr]
+        line = read_line(process, SERVER_READY_S, "the simulated server's start")
         if not line.startswith("ready "):
             raise RuntimeError(f"the simulated server did not start: {line}{process.stderr.read()}")  # type: ignore[union-attr]
         url = line.split()[1]
@@ -71,8 +80,7 @@ def sim_server(scenario: Scenario) -> Iterator[tuple[str, Any]]:
 
         yield url, stats
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_process(process)
         os.unlink(f.name)
 
 
@@ -123,7 +131,8 @@ def bound_row(name: str, bound: BoundResult, baseline_s: float | None, w: Worklo
     }
 
 
-def run_workload(workload: Workload, console: Console, rounds: int = 1) -> dict[str, Any]:
+def run_workload(workload: Workload, console: Console, rounds: int = 1,
+                 run_timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:  # fmt: skip
     """The bound, rallyrl, the bare client and the batch-level baseline on one workload. rallyrl and
     the bare client run ``rounds`` times, alternately (rallyrl, bare, rallyrl, bare, ...), each
     against a fresh server: the row of each is its round of median CPU per turn, and the CPU ratio
@@ -138,7 +147,8 @@ def run_workload(workload: Workload, console: Console, rounds: int = 1) -> dict[
         scenario = Scenario.build(workload)  # a fresh tool (its rate limit) for each client
         with sim_server(scenario) as (url, stats):
             started = time.monotonic()
-            run = asyncio.run(client(scenario, url))
+            what = f"{workload.name}: the {name} client's run"
+            run = asyncio.run(finish_within(client(scenario, url), run_timeout_s, what, "--run-timeout-s"))
             measured[name].append((run, stats()))
         console.print(
             f"  {name}: {run.makespan_s:.2f} s, {run.cpu_s / max(run.turns, 1) * 1e6:.0f} us CPU per turn "
@@ -290,15 +300,21 @@ def workloads_named(names: list[str], quick: bool) -> list[Workload]:
     return [catalog[name] for name in names]
 
 
+@stop_on_sigterm()
 def run_benchmark(
-    workloads: list[Workload], json_path: Path | None, plot_path: Path | None, console: Console, rounds: int = 1
+    workloads: list[Workload],
+    json_path: Path | None,
+    plot_path: Path | None,
+    console: Console,
+    rounds: int = 1,
+    run_timeout_s: float = RUN_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """Every workload through the bound and the clients (rallyrl and the bare client ``rounds`` times
-    each, alternately); prints the tables, writes JSON and PNG."""
+    each, alternately); prints the tables, writes JSON and PNG. SIGTERM stops it as Ctrl-C does."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     raise_fd_limit()
-    results = [run_workload(workload, console, rounds) for workload in workloads]
+    results = [run_workload(workload, console, rounds, run_timeout_s) for workload in workloads]
     for result in results:
         console.print(rich_table(result))
     console.print(markdown(results), highlight=False, markup=False)
@@ -318,10 +334,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=None, help=ROUNDS_HELP)
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S, help="deadline of each client's run")
     args = parser.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     rounds = args.rounds if args.rounds is not None else default_rounds(args.quick)
-    run_benchmark(workloads_named(names, args.quick), args.json, args.plot, Console(), rounds)
+    run_benchmark(workloads_named(names, args.quick), args.json, args.plot, Console(), rounds, args.run_timeout_s)
 
 
 if __name__ == "__main__":

@@ -242,10 +242,13 @@ def main() -> None:
         import torch
 
         rows = [Row.parse(text) for text in ROWS[args.rows or ("cuda" if torch.cuda.is_available() else "cpu")]]
+    from rollout.serve.processes import stop_on_sigterm
+
     results = []
-    for row in rows:
-        results.append(run_row(row, args.repeats, args.timeout, args.chunk_tokens))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    with stop_on_sigterm():  # (a row's child process is killed on SIGTERM as on Ctrl-C)
+        for row in rows:
+            results.append(run_row(row, args.repeats, args.timeout, args.chunk_tokens))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print_table(results)
     if args.json:
         with open(args.json, "w") as file:

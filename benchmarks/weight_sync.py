@@ -50,6 +50,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rollout.serve.processes import stop_on_sigterm
+
 QWEN_05B = {"vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
             "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
             "max_position_embeddings": 4096}  # fmt: skip
@@ -132,17 +134,21 @@ async def spy(pool: Any, weights: Any, version: int, pid: int) -> list[tuple[flo
     the server spent that sync."""
     import subprocess
 
+    from benchmarks.waits import stop_process
     from benchmarks.weight_sync_wire import top_frames
 
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         command = ["py-spy", "record", "--subprocesses", "--nonblocking", "-r", "200", "-f", "raw", "-o", out.name,
                    "-p", str(pid)]  # fmt: skip
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await asyncio.sleep(1.0)  # (py-spy attaching)
-        weights.version = version
-        await pool.push_weights(weights, version)
-        recorder.send_signal(2)
-        await asyncio.to_thread(recorder.wait, 30)
+        try:
+            await asyncio.sleep(1.0)  # (py-spy attaching)
+            weights.version = version
+            await pool.push_weights(weights, version)
+            recorder.send_signal(2)  # (py-spy writes its file on SIGINT)
+            await asyncio.to_thread(recorder.wait, 30)
+        finally:
+            stop_process(recorder)
         return top_frames(Path(out.name).read_text())
 
 
@@ -213,6 +219,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+@stop_on_sigterm()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["embedded", "qwen2.5-0.5b"],

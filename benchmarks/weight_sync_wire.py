@@ -117,6 +117,8 @@ def gloo_fanout(sizes: list[int], rounds: int = 3) -> dict[str, float]:
         finally:
             for receiver in receivers:
                 receiver.join(timeout=60)
+                if receiver.is_alive():
+                    receiver.kill()
     return results
 
 

@@ -198,3 +198,14 @@ def test_a_tiny_run_of_both_modes_gives_a_well_formed_report(tmp_path):
     assert sync["curve"][0]["accuracy"] == asynchronous["curve"][0]["accuracy"]  # one initial model
     assert set(report["ratios"]["b"]) >= {"async_wall_over_sync_wall", "async_time_to_sync_final_over_sync_wall"}
     assert plot_path.stat().st_size > 10_000
+
+
+def test_a_training_run_past_its_deadline_is_stopped_and_reported_failed(tmp_path, monkeypatch):
+    never_ends = tmp_path / "python"
+    never_ends.write_text("#!/bin/sh\nexec sleep 300\n")
+    never_ends.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(never_ends))  # (run_training starts `python -m cli train`)
+    started = time.monotonic()
+    training = async_rl.run_training(tmp_path, timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert training.error is not None and "did not finish within 0.5 s (--run-timeout-s); stopped" in training.error

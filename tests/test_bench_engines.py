@@ -1,18 +1,23 @@
 """``benchmarks/engines.py``'s machinery on tiny sizes, on the embedded engine and an in-process
 ``rallyrl serve`` (the real engines are the benchmark's business): the calls it replays are the
-calls rallyrl made, and its report is well formed. The figures themselves are not checked."""
+calls rallyrl made, its report is well formed, and a run against a server that stopped answering
+ends at its deadline. The figures themselves are not checked."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import time
 
 import orjson
+import pytest
 from rich.console import Console
 
 from benchmarks import engines
 from benchmarks.engine_clients import Call, TimedEngine, replay_calls
 from benchmarks.engines import Rollouts, Row, Workload, bench_embedded, bench_server
 from benchmarks.engines_report import breakdown, results_table
+from benchmarks.waits import WaitTimeout
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.engines.local import LocalEngine, LocalEngineConfig
 from tests.conftest import serving
@@ -92,3 +97,18 @@ def test_an_engine_without_its_virtualenv_is_skipped_with_how_to_install_it(tmp_
     row = engines.bench_row("vllm", TINY, 1, tmp_path)
     assert row.runs == [] and "install_engines vllm" in row.skipped
     assert "skipped" in rendered(results_table([row]))
+
+
+async def test_a_run_against_a_server_that_never_answers_ends_at_its_deadline_naming_it(tmp_path):
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # (until the client closes the connection)
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    started = time.monotonic()
+    async with server:
+        with pytest.raises(WaitTimeout, match=rf"serve at {url}: the rallyrl warm-up run did not finish within 1 s "
+                                              r"\(--run-timeout-s\)"):  # fmt: skip
+            await bench_server(Row("serve"), url, "sglang", TINY, 1, tmp_path, run_timeout_s=1.0)
+    assert time.monotonic() - started < 5

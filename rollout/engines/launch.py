@@ -9,6 +9,9 @@ distributed init store included, and run in float32 (bf16 logprobs differ from o
     with engine_server("sglang", model_dir, log_dir) as server:
         ...  # server.url, server.process, server.log
 
+Each runs in a session of its own and is stopped with its whole process group (SIGTERM, then
+SIGKILL after a grace period), on Ctrl-C and on SIGTERM as well (``rollout/serve/processes.py``).
+
 The tests, ``benchmarks/engines.py`` and ``tests/fixtures/record_sglang.py`` use it.
 """
 
@@ -118,22 +121,28 @@ def start_engine(kind: EngineKind, model_dir: Path, log_dir: Path, port: int | N
     return ServeProcess(f"http://127.0.0.1:{port}", process, log)
 
 
-def wait_ready(server: ServeProcess, timeout_s: float = 240.0) -> None:
+READY_TIMEOUT_S = 240.0
+"""How long a real engine has to answer ``/health`` after it starts (loading, warming up on a CPU)."""
+
+
+def wait_ready(server: ServeProcess, timeout_s: float = READY_TIMEOUT_S) -> None:
     """``wait_healthy`` (both engines answer ``/health``), the server stopped when it never does."""
     try:
         wait_healthy(server.url, server.process, server.log, timeout_s)
-    except RuntimeError:
+    except BaseException:  # (never healthy, or Ctrl-C / SIGTERM meanwhile)
         server.stop()
         raise
 
 
 @contextlib.contextmanager
-def engine_server(kind: EngineKind, model_dir: Path, log_dir: Path, *extra: str,
-                  env: dict[str, str] | None = None) -> Iterator[ServeProcess]:  # fmt: skip
-    """A real ``kind`` server of ``model_dir``, healthy on entry, stopped on exit."""
+def engine_server(kind: EngineKind, model_dir: Path, log_dir: Path, *extra: str, env: dict[str, str] | None = None,
+                  ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[ServeProcess]:  # fmt: skip
+    """A real ``kind`` server of ``model_dir``, healthy on entry (within ``ready_timeout_s``), stopped
+    on exit: its whole process group (vLLM and SGLang fork workers), on Ctrl-C and SIGTERM too
+    (``rollout/serve/processes.py``)."""
     server = start_engine(kind, model_dir, log_dir, None, *extra, env=env)
     try:
-        wait_ready(server)
+        wait_ready(server, ready_timeout_s)
         yield server
     finally:
         server.stop(timeout_s=20)

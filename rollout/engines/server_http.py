@@ -4,13 +4,17 @@ sized for thousands of requests in flight; per-path URLs parsed once; transient 
 (connection errors, timeouts, HTTP 408 / 429 / 5xx) raised as ``RetryableError`` and retried with
 exponential backoff and full jitter (``rollout/retry.py``); control calls named in their errors;
 ``/health``; and the calls of a weight update, which are never retried (a step of an update is not
-repeated blindly) and may send a large JSON body in pieces.
+repeated blindly) and may send a large JSON body in pieces. Every wait has a deadline: a request's
+``timeout_s`` (or ``control_timeout_s``) per attempt, ``connect_timeout_s`` per connection, at most
+``max_retries`` retries; a read that many requests need first (``SharedRead``) is made once for all of
+them, so that none waits behind the others' attempts.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import aiohttp
 import orjson
@@ -42,6 +46,26 @@ class RetryableError(EngineError):
 class ServerUnavailableError(EngineError):
     """A server stayed unreachable (or kept answering 408 / 429 / 5xx) through every retry:
     another server may still serve the request."""
+
+
+class SharedRead(Generic[T]):
+    """A value read once from a server and kept. Callers that arrive while it is being read wait on that
+    read (not on a lock, each making its own attempts after the one before failed, which made a
+    failing read take as many times longer as there were callers) and get its value, or its error;
+    a caller after a failed read starts a new one."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self._read = read
+        self._value: T | None = None
+        self._pending: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if self._value is None:
+            if self._pending is None or self._pending.done():
+                self._pending = asyncio.ensure_future(self._read())
+                self._pending.add_done_callback(lambda done: done.cancelled() or done.exception())  # (retrieved)
+            self._value = await asyncio.shield(self._pending)  # (a caller cancelled leaves it to the others)
+        return self._value
 
 
 class ServerHTTPClient(ServesAdapters):

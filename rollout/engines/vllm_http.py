@@ -76,6 +76,7 @@ import yarl
 from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.config import SGLangHTTPConfig
 from rollout.engines.server_adapters import AdapterSupport, vllm_adapter_support
+from rollout.engines.server_http import SharedRead
 from rollout.engines.sglang_http import RetryableError, ServerHTTPClient, ServerUnavailableError
 from rollout.engines.sglang_protocol import generate_resuming, parse_weight_version
 from rollout.engines.vllm_protocol import (
@@ -108,8 +109,7 @@ class VLLMHTTPEngine(ServerHTTPClient):
         self._aborted: set[str] = set()  # rids aborted through this client (not resumed)
         self._active: set[str] = set()  # rids inside generate (in flight or between retries)
         self._attempts = 0
-        self._info: VLLMServerInfo | None = None
-        self._info_lock = asyncio.Lock()
+        self._info = SharedRead(self._read_server_info)
         self._sync_lock = asyncio.Lock()
         self._not_syncing = asyncio.Event()  # cleared while a weight sync runs: attempts wait
         self._not_syncing.set()
@@ -184,12 +184,9 @@ class VLLMHTTPEngine(ServerHTTPClient):
 
     async def server_info(self) -> VLLMServerInfo:
         """The served model and context length (``/v1/models``) and, with the development endpoints,
-        the logprobs mode and device (``/server_info``) and weight version (``/weight_info``); read once."""
-        if self._info is None:
-            async with self._info_lock:
-                if self._info is None:
-                    self._info = await self._read_server_info()
-        return self._info
+        the logprobs mode and device (``/server_info``) and weight version (``/weight_info``); read once,
+        the requests that need it meanwhile sharing the read and its error (``SharedRead``)."""
+        return await self._info.get()
 
     async def _read_server_info(self) -> VLLMServerInfo:
         models = await self._control("GET", "/v1/models")
