@@ -7,6 +7,7 @@ import contextlib
 import random
 import shutil
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ async def serving(engine: Any, model_dir: Path = EMBEDDED_MODEL, port: int = 0) 
     from rollout.tokens import load_tokenizer
 
     ready = asyncio.Event()
-    config = ServeConfig(model=str(model_dir), port=port)
+    config = ServeConfig(model=str(model_dir), port=port, weights_dirs=[tempfile.gettempdir()])
     task = asyncio.create_task(serve(engine, load_tokenizer(model_dir), config, ready))
     await asyncio.wait_for(ready.wait(), 30)
     try:

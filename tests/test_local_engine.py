@@ -231,6 +231,35 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
     assert after.finish_reason == "length" and len(after.output_ids) == 5
 
 
+async def test_a_sampling_failure_ends_only_its_own_request_and_its_neighbours_decode_on(
+    tiny_model, tokenizer, monkeypatch
+):
+    """A request whose sampling raises inside the shared step (a case validation missed) ends with an
+    error naming it; the requests batched with it keep their greedy tokens (issue 42, class 2)."""
+    import rollout.engines.batch as batch_module
+
+    batch = prompts(tokenizer, 4)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    poisoned = SamplingParams(max_new_tokens=12, temperature=0, seed=666)
+    real = batch_module.sample_tokens
+
+    def sample(logits, params, generator, row_generators=None):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("this row's sampling is broken")
+        return real(logits, params, generator, row_generators)
+
+    async with LocalEngine(tiny_model) as engine:
+        alone = [await engine.generate(p, greedy, f"alone{i}") for i, p in enumerate(batch)]
+        monkeypatch.setattr(batch_module, "sample_tokens", sample)
+        together = await asyncio.gather(
+            *(engine.generate(p, greedy, f"n{i}") for i, p in enumerate(batch)),
+            engine.generate(batch[0], poisoned, "poisoned"),
+            return_exceptions=True,
+        )
+    assert isinstance(together[-1], EngineError) and "request poisoned" in str(together[-1])
+    assert [g.output_ids for g in together[:-1]] == [g.output_ids for g in alone]
+
+
 async def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch(tiny_model, tokenizer):
     batch = prompts(tokenizer, 6)
     seeded = SamplingParams(max_new_tokens=15, temperature=1.0, seed=1234)

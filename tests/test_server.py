@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -66,6 +67,7 @@ def perturbed_model_dir(tmp_path_factory) -> Path:
 
 @contextlib.asynccontextmanager
 async def served(engine: Any, tokenizer: Any, **config: Any) -> AsyncIterator[TestClient]:
+    config.setdefault("weights_dirs", [tempfile.gettempdir()])  # where the tests' weights are written
     server = EngineServer(engine, tokenizer, ServeConfig(model=str(EMBEDDED_MODEL), **config))
     async with TestClient(TestServer(server.app())) as client:
         yield client

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout.engines.config import LocalEngineConfig
+from rollout.engines.heap import trim_heap
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
 from rollout.engines.sampling import sample_tokens
 from rollout.engines.sequence import EngineStats, Sequence
@@ -58,6 +59,7 @@ class ModelBatch:
         if self.flush_requested:
             self.flush_requested = False
             self.prefix_cache.clear()
+            trim_heap()
         finished: list[Sequence] = []
         if aborts:
             for seq in list(self.running):
@@ -74,6 +76,12 @@ class ModelBatch:
             self.decode()
             finished += self.retire()
         return finished
+
+    def release_idle_memory(self) -> None:
+        """The engine has been idle a while: give back the buffers a burst grew, and the freed heap."""
+        if not self.running:
+            self.kv.shrink()
+            trim_heap()
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)
@@ -159,15 +167,14 @@ class ModelBatch:
         for seq in admitted:
             if seq.sampling.seed is not None:
                 seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
-        tokens, logprobs = sample_tokens(
-            logits, [s.sampling for s in admitted], self._generator, [s.generator for s in admitted]
-        )
+        tokens, logprobs = self._sample(logits, admitted)
         self._shared_length = None
-        for seq, token, logprob in zip(admitted, tokens.tolist(), logprobs.tolist(), strict=True):
+        for seq, token, logprob in zip(admitted, tokens, logprobs, strict=True):
             seq.row = len(self.running)
             seq.length = len(seq.prompt_ids)
             self.running.append(seq)
-            seq.emit(token, logprob, self.weight_version, self.max_model_len)
+            if token is not None:
+                seq.emit(token, logprob, self.weight_version, self.max_model_len)
         self.stats.prefills += 1
         self.stats.prefill_tokens += sum(lengths) - sum(starts)
         self.stats.cached_tokens += sum(starts)
@@ -199,17 +206,14 @@ class ModelBatch:
             hidden.append(last)
             kv.width = max(kv.width, longest)
         logits = self._lm_head(torch.cat(hidden))
-        sampled, logprobs = sample_tokens(
-            logits, [s.sampling for s in resumed], self._generator, [s.generator for s in resumed]
-        )
+        sampled, logprobs = self._sample(logits, resumed)
         self.running, self._shared_length = [], None
-        for row, (seq, ids, token, logprob) in enumerate(
-            zip(resumed, tokens, sampled.tolist(), logprobs.tolist(), strict=True)
-        ):
+        for row, (seq, ids, token, logprob) in enumerate(zip(resumed, tokens, sampled, logprobs, strict=True)):
             kv.mask[row, : len(ids)] = True
             seq.row, seq.length, seq.stale_kv = row, len(ids), False
             self.running.append(seq)
-            seq.emit(token, logprob, self.weight_version, self.max_model_len)
+            if token is not None:
+                seq.emit(token, logprob, self.weight_version, self.max_model_len)
         kv.num_rows = len(resumed)
         self.stats.resumed_sequences += len(resumed)
         self.stats.recomputed_tokens += sum(map(len, tokens))
@@ -233,15 +237,37 @@ class ModelBatch:
         self.stats.shared_prefix_steps += bool(shared)
         kv.width = column + 1
         logits = self._lm_head(hidden[:, -1])
-        tokens, logprobs = sample_tokens(
-            logits, [s.sampling for s in running], self._generator, [s.generator for s in running]
-        )
-        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
+        tokens, logprobs = self._sample(logits, running)
+        for seq, token, logprob in zip(running, tokens, logprobs, strict=True):
             seq.length += 1
-            seq.emit(token, logprob, self.weight_version, self.max_model_len)
+            if token is not None:
+                seq.emit(token, logprob, self.weight_version, self.max_model_len)
         self.stats.steps += 1
         self.stats.generated_tokens += rows
         self.stats.peak_batch = max(self.stats.peak_batch, rows)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | None], list[float | None]]:
+        """One token and its logprob per row. Sampling is the one part of a step that depends on each
+        request's own parameters: when it fails for the batch, each row is sampled alone, and a row that
+        fails again ends its own request with the error (token None) while the others go on."""
+        try:
+            tokens, logprobs = sample_tokens(
+                logits, [s.sampling for s in seqs], self._generator, [s.generator for s in seqs]
+            )
+            return tokens.tolist(), logprobs.tolist()
+        except Exception:
+            pass
+        rows: tuple[list[int | None], list[float | None]] = ([], [])
+        for row, seq in enumerate(seqs):
+            try:
+                token, logprob = sample_tokens(logits[row : row + 1], [seq.sampling], self._generator, [seq.generator])
+                rows[0].append(int(token[0]))
+                rows[1].append(float(logprob[0]))
+            except Exception as exc:  # this request's own failure: it ends with it, alone
+                seq.error, seq.finish = exc, "abort"
+                rows[0].append(None)
+                rows[1].append(None)
+        return rows
 
     def retire(self) -> list[Sequence]:
         """Remove finished sequences from the batch (and their KV rows)."""

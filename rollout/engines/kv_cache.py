@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+INITIAL_SHAPE = (16, 256)
+"""Rows and columns the buffer starts with, and shrinks back to once it is empty (``shrink``)."""
+
 
 class KVBuffer:
     """Per-layer key/value buffers of shape [rows, kv_heads, cols, head_dim] plus a [rows, cols] mask."""
@@ -28,7 +31,7 @@ class KVBuffer:
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.num_rows = 0  # rows in use
         self.width = 0  # columns in use (the next decode step writes column ``width``)
-        self._allocate(16, 256)
+        self._allocate(*INITIAL_SHAPE)
 
     @property
     def row_capacity(self) -> int:
@@ -87,6 +90,18 @@ class KVBuffer:
         """Forget every row (the buffers were made in inference mode, so reset them in it)."""
         self.mask.zero_()
         self.num_rows = self.width = 0
+
+    @torch.inference_mode()
+    def shrink(self) -> bool:
+        """Once no row is in use, give back what a burst grew the buffers to (back to ``INITIAL_SHAPE``);
+        whether there was anything to give back."""
+        if self.num_rows or (self.row_capacity <= INITIAL_SHAPE[0] and self.col_capacity <= INITIAL_SHAPE[1]):
+            return False
+        self.keys, self.values = [], []
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.width = 0
+        self._allocate(*INITIAL_SHAPE)
+        return True
 
     def compact(self) -> None:
         """Move every row's valid columns to the front, shrinking ``width`` to the longest row."""

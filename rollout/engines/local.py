@@ -31,6 +31,10 @@ from rollout.engines.sampling import sample_tokens
 from rollout.engines.sequence import EngineStats, Sequence
 from rollout.engines.shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length
 
+IDLE_RELEASE_S = 1.0
+"""After this long with nothing to do, the engine gives back the KV buffers a burst grew and the
+memory freed since (``ModelBatch.release_idle_memory``): a burst does not pin its high-water mark."""
+
 __all__ = ["EngineStats", "LocalEngine", "LocalEngineConfig", "sample_tokens", "shared_prefix_length"]
 
 
@@ -172,7 +176,11 @@ class LocalEngine:
             batch = self._batch
             if not (self._waiting or batch.running or self._pending_weights or self._aborts or batch.flush_requested):
                 self._wake.clear()
-                await self._wake.wait()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_RELEASE_S)
+                except TimeoutError:  # idle: give back what the last burst took, then wait
+                    await loop.run_in_executor(self._executor, batch.release_idle_memory)
+                    await self._wake.wait()
             aborts, self._aborts = self._aborts, set()
             self._drop_waiting(aborts)
             weights, self._pending_weights = self._pending_weights, []
@@ -180,7 +188,7 @@ class LocalEngine:
             started = time.perf_counter()
             try:
                 finished = await loop.run_in_executor(self._executor, self._batch.step, admitted, aborts, weights)
-            except Exception as exc:  # a bug or an out-of-memory: fail the batch, keep serving
+            except Exception as exc:  # a forward pass (shared by all) failed, e.g. out of memory: fail the batch
                 for seq in [*admitted, *self._batch.running]:
                     if not seq.future.done():
                         seq.future.set_exception(EngineError(f"local engine step failed: {exc!r}"))
@@ -235,6 +243,8 @@ class LocalEngine:
         return admitted
 
     def _resolve(self, seq: Sequence, finish: str) -> None:
+        if seq.error is not None and not seq.future.done():
+            seq.future.set_exception(EngineError(f"request {seq.rid}: its step failed: {seq.error!r}"))
         if not seq.future.done():
             generation = Generation(seq.output_ids, seq.output_logprobs, finish, self.weight_version)  # type: ignore[arg-type]
             generation.output_weight_versions = seq.output_weight_versions

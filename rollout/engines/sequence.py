@@ -27,6 +27,7 @@ class Sequence:
     generator: torch.Generator | None = None  # set when the request has its own sampling seed
     progress: asyncio.Queue[int | None] | None = None  # streamed requests: token counts after each step
     stale_kv: bool = False  # its keys and values came (partly) from weights older than the engine's
+    error: BaseException | None = None  # its own step failed (its sampling): it ends with this error, alone
 
     def emit(self, token: int, logprob: float, weight_version: int, max_len: int) -> None:
         """Append one sampled token; set ``finish`` when it was a stop token or the budget is spent."""

@@ -26,12 +26,14 @@ from aiohttp import web
 
 from rollout.config import ServeConfig
 from rollout.engines.base import Engine, EngineError
+from rollout.serve.admission import Busy
 from rollout.serve.faults import install_faults
-from rollout.serve.http import BadRequest, error_response
+from rollout.serve.guard import HttpGuard
+from rollout.serve.http import BadRequest, TooLarge, error_response
 from rollout.serve.native_routes import NativeRoutes
 from rollout.serve.openai_routes import OpenAIRoutes
 from rollout.serve.state import ServerState
-from rollout.serve.weight_routes import WeightRoutes
+from rollout.serve.weight_routes import MAX_WEIGHT_BODY, WeightRoutes
 
 __all__ = ["EngineServer", "ServeConfig", "serve"]
 
@@ -40,12 +42,20 @@ OPEN_PATHS = frozenset({"/health", "/health_generate"})
 logger = logging.getLogger(__name__)
 
 
+def _guard_reply(request: web.Request, status: int, message: str, code: str) -> web.Response:
+    return error_response(request, status, message)
+
+
 class EngineServer(ServerState):
     """The aiohttp application around one engine: the state its routes share (``state.py``), SGLang's
     native routes (``native_routes.py``) and the OpenAI-compatible ones (``openai_routes.py``)."""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 2**20, middlewares=[self._errors])
+        limits = {"/update_weights_from_tensor": MAX_WEIGHT_BODY}
+        app = web.Application(client_max_size=max(self.config.limits.max_body_bytes, *limits.values()),
+                              middlewares=[self._errors])  # fmt: skip
+        HttpGuard(self.config.host, _guard_reply, self.config.api_key, OPEN_PATHS, self.config.limits.max_body_bytes,
+                  limits, not_json_status=400).install(app)  # fmt: skip
         routes = [*NativeRoutes(self).routes(), *WeightRoutes(self).routes(), *OpenAIRoutes(self).routes()]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -55,14 +65,18 @@ class EngineServer(ServerState):
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """API key check; bad requests and engine failures as JSON errors in SGLang's shapes."""
-        authorized = request.headers.get("Authorization") == f"Bearer {self.config.api_key}"
-        if self.config.api_key and not authorized and request.path not in OPEN_PATHS:
-            return error_response(request, 401, "missing or wrong API key (Authorization: Bearer ...)")
+        """Bad requests and engine failures as JSON errors in SGLang's shapes (the guard, ``guard.py``,
+        has checked the host, the origin, the key and the body's type and length already)."""
         try:
             return await handler(request)
         except BadRequest as exc:
             return error_response(request, 400, str(exc), exc.kind)
+        except TooLarge as exc:
+            return error_response(request, 413, str(exc))
+        except Busy as exc:
+            response = error_response(request, 503, str(exc))
+            response.headers["Retry-After"] = "1"
+            return response
         except EngineError as exc:
             return error_response(request, 500, f"engine error: {exc}")
         except web.HTTPException:

@@ -26,7 +26,9 @@ def serve_command(
     served_model_name: str = typer.Option(None, help="Model name in the OpenAI API."),
     tool_parser: str = typer.Option(None, help="Tool-call parser of /v1/chat/completions (default qwen25)."),
     reasoning_parser: str = typer.Option(None, help="Reasoning parser of /v1/chat/completions (default none)."),
-    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
+    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' (but on /health); not empty."),
+    weights_dir: list[Path] = typer.Option(None, help="Also load weights from under this directory (repeat); "
+                                           "default: runs/ here and the served model's own."),
     fault_error_rate: float = typer.Option(None, help="Testing: share of /generate calls answered HTTP 500."),
     fault_hang_rate: float = typer.Option(None, help="Testing: share of /generate calls held open unanswered."),
     fault_drop_rate: float = typer.Option(None, help="Testing: share of /generate calls reset mid-response."),
@@ -42,6 +44,7 @@ def serve_command(
         "reasoning_parser": reasoning_parser, "api_key": api_key,
         "faults.error_rate": fault_error_rate, "faults.hang_rate": fault_hang_rate,
         "faults.drop_rate": fault_drop_rate, "faults.seed": fault_seed, "threads": threads,
+        "weights_dirs": ["runs", *map(str, weights_dir)] if weights_dir else None,
     }  # fmt: skip
     with errors_for_people():
         serve_config = load_config(ServeConfig, config, flags, set_)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload, sampling_from_payload
+from rollout.serve.admission import check_count, check_prompt_ids, check_samples, check_stops, check_text, encode_text
 from rollout.serve.generation import GenerateItem
 from rollout.serve.http import BadRequest
 
@@ -75,8 +76,9 @@ def check_sampling_types(params: Any, name: str = "sampling_params") -> None:
             raise BadRequest(f"{name}.{key}: not supported by rallyrl serve ({NOT_SERVED[key]})")
 
 
-def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+async def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     """The token ids of every prompt of a ``/generate`` body, and whether it was a batch."""
+    limits = server.config.limits
     if body.get("input_ids") is not None:
         prompts = body["input_ids"]
         if not isinstance(prompts, list):
@@ -85,13 +87,14 @@ def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]]
             raise BadRequest("input_ids: empty (no tokens)")
         batched = isinstance(prompts[0], list)
         prompts = prompts if batched else [prompts]
+        check_count("input_ids", len(prompts), limits.max_prompts, "max_prompts")
         for i, ids in enumerate(prompts):
             name = f"input_ids[{i}]" if batched else "input_ids"
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise BadRequest(f"{name}: expected a list of token ids", "schema")
             if not ids:
                 raise BadRequest(f"{name}: an empty prompt (no tokens)")
-            server.check_vocabulary(ids, name)
+            check_prompt_ids(server, ids, name)
         return prompts, batched
     texts = body.get("text")
     if texts is None:
@@ -99,18 +102,23 @@ def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list[int]]
     batched = isinstance(texts, list)
     if batched and not texts:
         raise BadRequest("text: an empty list (no prompts)")
-    if not all(isinstance(t, str) for t in (texts if batched else [texts])):
+    texts = texts if batched else [texts]
+    check_count("text", len(texts), limits.max_prompts, "max_prompts")
+    if not all(isinstance(t, str) for t in texts):
         raise BadRequest("text: expected a string or a list of strings", "schema")
-    prompts = [server.encode(t) for t in (texts if batched else [texts])]
+    for i, text in enumerate(texts):
+        check_text(server, text, f"text[{i}]" if batched else "text")
+    prompts = [await encode_text(server, t, "text") for t in texts]
     if not all(prompts):
         raise BadRequest("text: an empty prompt (no tokens)")
     return prompts, batched
 
 
-def generate_items(server: ServerState, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
+async def generate_items(server: ServerState, body: dict[str, Any]) -> tuple[list[GenerateItem], bool]:
     """One ``GenerateItem`` per prompt (``n`` per prompt, prompt after prompt) of a ``/generate`` body,
-    and whether the answer is a list (a batch, or ``n`` above 1)."""
-    prompts, batched = _prompts(server, body)
+    and whether the answer is a list (a batch, or ``n`` above 1). Every count and length is checked
+    against ``ServeConfig.limits`` before any work (``admission.py``)."""
+    prompts, batched = await _prompts(server, body)
     count = len(prompts)
 
     def per_prompt(name: str, default: Any) -> list[Any]:
@@ -125,7 +133,9 @@ def generate_items(server: ServerState, body: dict[str, Any]) -> tuple[list[Gene
     params = per_prompt("sampling_params", {})
     listed = isinstance(body.get("sampling_params"), list)
     for i, p in enumerate(params):
-        check_sampling_types(p, f"sampling_params[{i}]" if listed else "sampling_params")
+        name = f"sampling_params[{i}]" if listed else "sampling_params"
+        check_sampling_types(p, name)
+        check_stops(server, (p or {}).get("stop"), (p or {}).get("stop_token_ids"), f"{name}.")
     logprob = per_prompt("return_logprob", False)
     starts, tops = per_prompt("logprob_start_len", -1), per_prompt("top_logprobs_num", 0)
     if any(start not in (None, -1) for start in starts) or any(tops) or body.get("token_ids_logprob") is not None:
@@ -134,8 +144,9 @@ def generate_items(server: ServerState, body: dict[str, Any]) -> tuple[list[Gene
     text_in_logprobs = bool(body.get("return_text_in_logprobs"))
     samples = [1 if (p or {}).get("n") is None else p["n"] for p in params]
     if len(set(samples)) > 1 or samples[0] < 1:
-        raise BadRequest(f"sampling_params.n: one positive n for every prompt, got {samples}")
+        raise BadRequest(f"sampling_params.n: one positive n for every prompt, got {samples[:8]}")
     n = samples[0]
+    check_samples(server, count, n, "sampling_params.n")
     rids = body.get("rid")
     if n > 1 or rids is None:
         rids = [uuid.uuid4().hex for _ in range(count * n)]  # SGLang gives each sample a rid of its own

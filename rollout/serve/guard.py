@@ -11,8 +11,9 @@ bodies) and, through DNS rebinding, name the server under a hostname of its own.
    ``Sec-Fetch-Site: cross-site``/``same-site``, is refused (403); programs send neither header.
 3. **Key**: with an API key, ``Authorization: Bearer KEY`` compared in constant time (401), except on
    the open paths (health probes).
-4. **Body**: a body that is not JSON (415: the three content types a page may send without asking),
-   or whose ``Content-Length`` is over the route's limit, is refused before a byte is read (413);
+4. **Body**: a body that is not JSON (415, or the server's own status: the three content types a page
+   may send without asking), or whose ``Content-Length`` is over the route's limit, is refused before a byte
+   is read (413);
    a body sent without a length is cut off at the limit as it is read (``read_limited``).
 
 Methods are the routes' own: aiohttp answers 405 to any other (``OPTIONS`` and ``TRACE`` included).
@@ -67,6 +68,8 @@ class HttpGuard:
     body_limits: Mapping[str, int] = field(default_factory=dict)
     """Routes allowed a larger body than ``max_body_bytes`` (weights sent as tensors)."""
     body_limit_hint: str = "limits.max_body_mb"
+    not_json_status: int = 415
+    """The status of a body that is not JSON (``rallyrl serve`` answers 400, as SGLang's ``/v1`` routes do)."""
 
     @property
     def loopback_only(self) -> bool:
@@ -76,7 +79,10 @@ class HttpGuard:
         return self.body_limits.get(path, self.max_body_bytes)
 
     def refusal(self, request: web.Request) -> tuple[int, str, str] | None:
-        """(status, message, code) of the first check ``request`` fails, or None."""
+        """(status, message, code) of the first check ``request`` fails, or None (also for a path or
+        method no route serves: the router answers those, 404 or 405)."""
+        if request.match_info.http_exception is not None:
+            return None
         host = request.headers.get("Host")
         if self.loopback_only and host is not None and not is_loopback(host_name(host)):
             return (403, f"Host {host!r}: this server is bound to loopback and answers only loopback host names "
@@ -95,7 +101,7 @@ class HttpGuard:
         if request.method in ("POST", "PUT", "PATCH") and request.body_exists:
             kind = request.content_type
             if "Content-Type" in request.headers and kind not in JSON_TYPES and not kind.endswith("+json"):
-                return 415, f"Content-Type {kind!r}: send the body as application/json", "not_json"
+                return self.not_json_status, f"Content-Type {kind!r}: send the body as application/json", "not_json"
             limit = self.body_limit(request.path)
             if request.content_length is not None and request.content_length > limit:
                 return (413, f"the body of {request.content_length} bytes is over this server's limit of {limit} "

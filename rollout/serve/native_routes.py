@@ -29,7 +29,8 @@ class NativeRoutes:
 
     def routes(self) -> list[tuple[str, str, Any]]:
         return [
-            ("*", "/generate", self.generate),
+            ("POST", "/generate", self.generate),
+            ("PUT", "/generate", self.generate),
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health_generate),
             ("GET", "/get_model_info", self.get_model_info),
@@ -37,7 +38,8 @@ class NativeRoutes:
             ("GET", "/get_server_info", self.get_server_info),
             ("GET", "/server_info", self.get_server_info),
             ("GET", "/get_weight_version", self.get_weight_version),
-            ("*", "/flush_cache", self.flush_cache),
+            ("GET", "/flush_cache", self.flush_cache),
+            ("POST", "/flush_cache", self.flush_cache),
             ("POST", "/abort_request", self.abort_request),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
             ("POST", "/pause_generation", self.pause_generation),
@@ -50,11 +52,12 @@ class NativeRoutes:
         """SGLang's ``/generate``: ``text`` or ``input_ids``, one or a batch (or ``n`` samples), answered
         at once or streamed."""
         body = await json_body(request, required=True)
-        items, batched = generate_items(self.server, body)
+        items, batched = await generate_items(self.server, body)
         started = time.monotonic()
-        if body.get("stream"):
-            return await self._generate_streamed(request, items, batched, started)
-        generations = await asyncio.gather(*(self.server.generate_item(item) for item in items))
+        with self.server.pending.hold(len(items)):
+            if body.get("stream"):
+                return await self._generate_streamed(request, items, batched, started)
+            generations = await asyncio.gather(*(self.server.generate_item(item) for item in items))
         outputs = [generate_output(self.server, item, gen, started)
                    for item, gen in zip(items, generations, strict=True)]  # fmt: skip
         return json_response(outputs if batched else outputs[0])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -18,11 +19,28 @@ from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload
 from rollout.parsers import get_parser
 from rollout.reasoning import get_reasoning_format
+from rollout.serve.admission import (
+    ENCODE_OFF_LOOP,
+    check_chars,
+    check_count,
+    check_prompt_ids,
+    check_samples,
+    check_stops,
+    encode_text,
+)
 from rollout.serve.generate import output_text, weight_version_spans
 from rollout.serve.generation import GenerateItem
-from rollout.serve.http import BadRequest, json_body, json_response, send_event, sse_response
+from rollout.serve.http import BadRequest, json_response, send_event, sse_response
+from rollout.serve.openai_requests import (
+    check_depth,
+    check_not_implemented,
+    request_body,
+    sample_count,
+    sampling_numbers,
+    stop_strings,
+    template_message,
+)
 from rollout.tokens import ChatTokenizer, TemplateError
-from rollout.tool_parsers import get_renderer
 
 if TYPE_CHECKING:
     from rollout.serve.state import ServerState
@@ -51,14 +69,17 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Text (or token id) prompts continued; ``n`` samples of each."""
         server = self.server
-        body = await _request_body(request)
+        body = await request_body(request)
         prompt = body.get("prompt")
+        check_not_implemented(body)
+        limit = server.config.limits.max_prompts
         if isinstance(prompt, str):
-            prompts = [server.encode(prompt)]
+            prompts = [await encode_text(server, prompt, "prompt")]
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [server.encode(p) for p in prompt]
+            check_count("prompt", len(prompt), limit, "max_prompts")
+            prompts = [await encode_text(server, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(type(t) is int for t in p)
                                                          for p in prompt):  # fmt: skip
             prompts = prompt
@@ -66,14 +87,19 @@ class OpenAIRoutes:
             raise BadRequest("prompt: expected a string, a list of strings, token ids or lists of token ids", "schema")
         if not all(prompts):
             raise BadRequest("prompt: an empty prompt (no tokens)")
+        check_count("prompt", len(prompts), limit, "max_prompts")
         for ids in prompts:
-            server.check_vocabulary(ids, "prompt")
-        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)))
+            check_prompt_ids(server, ids, "prompt")
+        n = sample_count(body)
+        check_samples(server, len(prompts), n)
+        check_stops(server, body.get("stop"), body.get("stop_token_ids"))
+        options = OutputOptions(stop=tuple(stop_strings(body)))
         items = [self._item(ids, body, [], options, 16, "cmpl") for ids in prompts for _ in range(n)]
         reply = Reply(self, body, "text_completion", sum(len(ids) for ids in prompts))
-        if body.get("stream"):
-            return await reply.stream_completions(request, items)
-        generations = await asyncio.gather(*(server.generate_item(item) for item in items))
+        with server.pending.hold(len(items)):
+            if body.get("stream"):
+                return await reply.stream_completions(request, items)
+            generations = await asyncio.gather(*(server.generate_item(item) for item in items))
         choices = [reply.text_choice(index, output_text(server.tokenizer, g, options), g)
                    for index, g in enumerate(generations)]  # fmt: skip
         return json_response(reply.answer(choices, generations))
@@ -82,30 +108,41 @@ class OpenAIRoutes:
         """Chat with tools: the chat template renders ``messages`` and ``tools``; tool calls in the
         answer come back as ``message.tool_calls`` with ``finish_reason`` "tool_calls"."""
         server = self.server
-        body = await _request_body(request)
+        body = await request_body(request)
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise BadRequest("messages: required, a list of messages", "schema")
         if not messages:
             raise BadRequest("messages: empty")
+        check_count("messages", len(messages), server.config.limits.max_prompts, "max_prompts")
+        check_not_implemented(body)
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         tools = tools if isinstance(tools, list) and tools else None
+        check_depth(tools, "tools")
         try:
             chat = ChatTokenizer(server.tokenizer, tools)
             parser_name = server.config.tool_parser
-            prompt_ids = chat.prompt_ids([template_message(m, i, parser_name) for i, m in enumerate(messages)])
+            rendered = [template_message(m, i, parser_name) for i, m in enumerate(messages)]
+            chars = sum(len(m["content"]) for m in rendered) + len(json.dumps(tools or []))
+            check_chars(server, chars, "messages")
+            render = functools.partial(chat.prompt_ids, rendered)
+            prompt_ids = render() if chars < ENCODE_OFF_LOOP else await asyncio.to_thread(render)
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
         # SGLang keeps special tokens in the text when tools are given or reasoning is parsed (the parsers read them)
         reasoning = get_reasoning_format(server.config.reasoning_parser)
         keep_special = tools is not None or reasoning is not None
-        n, options = _count(body), OutputOptions(stop=tuple(stop_strings(body)), skip_special_tokens=not keep_special)
+        n = sample_count(body)
+        check_samples(server, 1, n)
+        check_stops(server, body.get("stop"), body.get("stop_token_ids"))
+        options = OutputOptions(stop=tuple(stop_strings(body)), skip_special_tokens=not keep_special)
         items = [self._item(prompt_ids, body, chat.stop_token_ids, options, None, "chatcmpl") for _ in range(n)]
         parser = get_parser(server.config.tool_parser, tools) if tools else None
         reply = Reply(self, body, "chat.completion", len(prompt_ids), parser, reasoning)
-        if body.get("stream"):
-            return await reply.stream_chat(request, items)
-        generations = await asyncio.gather(*(server.generate_item(item) for item in items))
+        with server.pending.hold(len(items)):
+            if body.get("stream"):
+                return await reply.stream_chat(request, items)
+            generations = await asyncio.gather(*(server.generate_item(item) for item in items))
         choices = []
         for index, generation in enumerate(generations):
             message, finish, matched = reply.message(generation, options)
@@ -288,79 +325,6 @@ class Reply:
                usage: bool = False) -> dict[str, Any]:  # fmt: skip
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
         return self._chunk(choice, usage)
-
-
-# ----- reading OpenAI requests --------------------------------------------------------------------------
-
-
-async def _request_body(request: web.Request) -> dict[str, Any]:
-    """The JSON body of a ``/v1`` POST; as in SGLang, only ``Content-Type: application/json``."""
-    if request.content_type != "application/json":
-        raise BadRequest(f"Content-Type: only application/json is accepted, got {request.content_type!r}", "schema")
-    return await json_body(request, required=True)
-
-
-def _count(body: dict[str, Any]) -> int:
-    n = body.get("n")
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadRequest(f"n: expected a positive integer, got {n!r}", "schema")
-    return n
-
-
-def sampling_numbers(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's ``temperature``, ``top_p``, ``top_k`` and ``seed`` (None where not given), their
-    JSON types checked."""
-    numbers = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "seed")}
-    for name, value in numbers.items():
-        kind = int if name in ("top_k", "seed") else (int, float)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise BadRequest(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}",
-                             "schema")  # fmt: skip
-    return numbers
-
-
-def stop_strings(body: dict[str, Any]) -> list[str]:
-    stops = body.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else stops
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise BadRequest("stop: expected a string or a list of strings", "schema")
-    return [s for s in stops if s]
-
-
-def template_message(message: Any, index: int, tool_parser: str = "qwen25") -> dict[str, Any]:
-    """An OpenAI chat message as the chat template takes it: assistant tool calls written back in the
-    model's own format (``tool_parser``'s renderer; Qwen2.5's ``<tool_call>`` lines by default),
-    content parts joined into text."""
-    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
-        raise BadRequest(f"messages[{index}]: expected an object with role system, user, assistant or tool", "schema")
-    content = message.get("content") or ""
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content: expected a string or a list of text parts", "schema")
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
-        raise BadRequest(f"messages[{index}].tool_calls: expected a list of tool call objects", "schema")
-    written: list[tuple[str, dict[str, Any]]] = []
-    for call in calls:
-        function = call.get("function") or {}
-        if not isinstance(function, dict):
-            raise BadRequest(f"messages[{index}].tool_calls: a call's function must be an object", "schema")
-        arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            raise BadRequest(f"messages[{index}].tool_calls: arguments are not valid JSON") from None
-        if tool_parser not in ("qwen25", "hermes"):
-            written.append((str(function.get("name")), arguments if isinstance(arguments, dict) else {}))
-            continue
-        text = json.dumps({"name": function.get("name"), "arguments": arguments}, separators=(",", ":"))
-        content += ("\n" if content else "") + f"<tool_call>\n{text}\n</tool_call>"
-    if written:
-        content = get_renderer(tool_parser)(content, written)
-    return {"role": message["role"], "content": content}
 
 
 # ----- writing OpenAI answers ---------------------------------------------------------------------------

@@ -12,14 +12,13 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
-
 from rollout.config import ServeConfig
 from rollout.engines.base import Engine, EngineError, Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import parse_weight_version
+from rollout.serve.admission import PendingCount
 from rollout.serve.generation import GenerateItem, eos_token_ids, generate_chunks
 from rollout.serve.http import BadRequest, model_config
+from rollout.serve.weight_files import load_weights, weight_roots
 
 
 class ServerState:
@@ -51,6 +50,12 @@ class ServerState:
         self.weights_half_updated = False
         """A weight-update session has loaded part of its weights (``weight_routes.py``): nothing generates."""
         self.counters = {"requests": 0, "generated_tokens": 0, "aborted": 0}
+        self.pending = PendingCount(config.limits.max_pending)
+        """Generations admitted and not answered yet, server-wide (``limits.max_pending``)."""
+        self.longest_token = max((len(t) for t in _vocabulary(tokenizer)), default=0)
+        """Characters of the vocabulary's longest token: a text longer than the context times this cannot fit."""
+        self.weight_roots = weight_roots(config.weights_dirs, config.model)
+        """Where ``/update_weights_from_disk`` may read (``weight_files.py``)."""
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -215,7 +220,7 @@ class ServerState:
                 async with self._idle:
                     await self._idle.wait_for(lambda: self._in_flight == 0)
                 try:
-                    state_dict = await asyncio.to_thread(load_weights_dir, Path(model_path))
+                    state_dict = await load_weights(model_path, self.weight_roots, self.config.weight_load_timeout_s)
                     new = self.next_version(version)
                     await self.engine.update_weights(state_dict, weight_version=new)
                     self.name_version(new, version)
@@ -236,20 +241,14 @@ class ServerState:
 
 
 
-def load_weights_dir(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files of a model directory (or one file)."""
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError("no *.safetensors files (save the model with save_pretrained or safetensors)")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        state_dict.update(load_file(str(file)))
-    return state_dict
+def _vocabulary(tokenizer: Any) -> list[str]:
+    try:
+        return list(tokenizer.get_vocab())
+    except (AttributeError, NotImplementedError, TypeError):
+        return []
 
 
 def _version_number(requested: Any, current: int | None) -> int:
     """The new weight version: the requested one when it names a number ("7", "step_7"), else the next."""
     number = parse_weight_version(requested)
     return (current or 0) + 1 if number is None else number
-
-
