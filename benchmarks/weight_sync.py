@@ -93,7 +93,8 @@ def server(kind: str, directory: Path, logs: Path, device: str) -> Iterator[Any]
 
     logs.mkdir(parents=True, exist_ok=True)
     if kind == "serve":
-        flags = ("--device", device, "--set", "engine.dtype=float32", "--threads", str(min(os.cpu_count() or 2, 8)))
+        flags = ("--device", device, "--set", "engine.dtype=float32", "--threads", str(min(os.cpu_count() or 2, 8)),
+                 "--weights-dir", str(logs.parent))  # (the disk syncs' model directories are written there)
         with serve_processes(directory, logs, 1, *flags) as (process,):
             yield process
     else:

@@ -26,7 +26,7 @@ class ServeLimits:
     max_pending: int = 16384
     """Most generations waiting or running in the whole server; past it a request is answered 503
     ("busy") at once, so that a flood cannot queue without end."""
-    max_prompt_chars: int = 4 * 2**20
+    max_prompt_chars: int = 2**20
     """Longest text prompt (or chat message list, rendered), in characters, tokenized on a worker thread."""
     max_stop: int = 64
     """Most stop strings, and most ``stop_token_ids``, of one request."""

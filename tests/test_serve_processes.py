@@ -139,7 +139,7 @@ def save_perturbed_model(source: Path, target: Path, scale: float = 1.5) -> Path
 async def test_weight_update_mid_rollout_gives_trajectories_both_versions(tmp_path, tiny_model_dir):
     new_weights = save_perturbed_model(tiny_model_dir, tmp_path / "v1")
     config = RolloutConfig(max_turns=1, max_new_tokens=160, max_model_len=2048, check_consistency=False)
-    with serve_processes(tiny_model_dir, tmp_path, 1) as (server,):
+    with serve_processes(tiny_model_dir, tmp_path, 1, "--weights-dir", str(tmp_path)) as (server,):
         async with SGLangHTTPEngine(server.url) as engine:
             rollout = asyncio.create_task(
                 calc_runner(engine, max_concurrency=32, config=config).run(
@@ -172,7 +172,7 @@ def assert_resumed_across_the_update(result) -> None:
 
 @pytest.mark.slow
 def test_three_grpo_steps_against_two_servers_update_both_through_disk(tmp_path):
-    with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 2, "--weights-dir", str(tmp_path / "run")) as servers:
         out = tmp_path / "run"
         urls = [arg for s in servers for arg in ("--engine-url", s.url)]
         trained = run_cli("train", "--steps", "3", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
@@ -190,7 +190,7 @@ def test_three_grpo_steps_against_two_servers_update_both_through_disk(tmp_path)
 
 @pytest.mark.slow
 def test_async_grpo_against_two_servers_keeps_requests_going_through_the_syncs(tmp_path):
-    with serve_processes(EMBEDDED_MODEL, tmp_path, 2) as servers:
+    with serve_processes(EMBEDDED_MODEL, tmp_path, 2, "--weights-dir", str(tmp_path / "run")) as servers:
         out = tmp_path / "run"
         urls = [arg for s in servers for arg in ("--engine-url", s.url)]
         trained = run_cli("train", "--steps", "4", "--prompts-per-step", "4", "-n", "4", "--out", str(out),
