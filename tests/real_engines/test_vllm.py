@@ -10,11 +10,13 @@ of this module's own (``own_vllm_url``).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 import torch
@@ -98,6 +100,26 @@ def test_rollout_on_vllm_writes_valid_trajectories_whose_logprobs_are_the_models
             if mask:
                 assert logprob == pytest.approx(expected[i].item(), abs=TOLERANCE)
         assert set(record["weight_versions"]) <= {0, None}
+
+
+def test_a_rollout_goes_on_when_vllms_own_server_info_fails(engine_logs, tmp_path):
+    """vLLM's development endpoint ``/server_info`` answers 500 when ``uv`` is not on the server's PATH
+    (its environment report fails): the client reads that once, like a missing endpoint, warns with
+    the answer, and the rollout runs (issue 42, class 8)."""
+    require_engine("vllm")
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "uv").exists())
+    with engine_server("vllm", EMBEDDED_MODEL, engine_logs, env={"PATH": path}) as server:
+        info = httpx.get(f"{server.url}/server_info", params={"config_format": "json"}, timeout=60)
+        assert info.status_code == 500, info.text  # the real failure, not a double
+        out = tmp_path / "rollouts.jsonl"
+        done = run_cli(
+            "rollout", "--engine-url", server.url, "--task", "calc", "--num-prompts", "4", "-n", "1", "--out",
+            str(out), "--max-new-tokens", "16", "--no-progress",
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("answered HTTP 500") == 1, done.stderr[-3000:]
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert len(records) == 4 and all(r["finish_reason"] != "error" for r in records), [r["error"] for r in records]
 
 
 def test_async_train_on_vllm_keeps_requests_going_through_the_weight_syncs(own_vllm_url, tmp_path):
