@@ -83,6 +83,18 @@ def dropped_streams(count: int) -> object:
     return send
 
 
+def flood(count: int) -> object:
+    """``count`` requests at once, each a few tokens long."""
+
+    async def send(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+        answers = await asyncio.gather(*(post(session, url + "/generate", sampling(max_new_tokens=8, sampling_seed=i))
+                                         for i in range(count)))  # fmt: skip
+        bad = [answer for answer in answers if answer[0] != 200]
+        return (bad[0] if bad else (200, f"{count} answered"))
+
+    return send
+
+
 def chunked_body(size: int) -> object:
     """A body sent without a length, longer than the limit."""
 
@@ -169,6 +181,7 @@ ATTACKS: dict[str, Attack] = {
                                                ("max_prompts",)),
     "100,000 chat messages": Attack(1, generate({"messages": CHAT * 100_000}, "/v1/chat/completions"), 400,
                                     ("max_prompts",)),
+    "400 requests at once": Attack(1, flood(400), 200),
     # 2. one request fails the others
     "temperature 1e-40": Attack(2, generate(sampling(temperature=1e-40)), 200),
     "top_k 2**64-1": Attack(2, generate(sampling(top_k=18446744073709551615, temperature=1.0)), 200),
@@ -280,3 +293,34 @@ async def test_the_server_refuses_the_attack_and_serves_on(server, reference, na
 def test_the_attacks_cover_the_serve_classes():
     assert len(ATTACKS) >= 40
     assert {attack.kind for attack in ATTACKS.values()} == {1, 2, 3, 4, 5, 6}
+
+
+async def test_a_flood_past_max_pending_is_answered_busy_at_once_and_the_rest_served():
+    """``limits.max_pending`` generations in the server: a request that would pass it is answered 503
+    with ``Retry-After`` at once instead of queued; those admitted complete."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from rollout.config import ServeConfig
+    from rollout.engines.local import LocalEngine
+    from rollout.limits import ServeLimits
+    from rollout.serve.app import EngineServer
+    from rollout.tokens import load_tokenizer
+
+    config = ServeConfig(model=str(EMBEDDED_MODEL), limits=ServeLimits(max_pending=4))
+    async with LocalEngine.from_pretrained(EMBEDDED_MODEL, config.engine) as engine:
+        server = EngineServer(engine, load_tokenizer(EMBEDDED_MODEL), config)
+        async with TestClient(TestServer(server.app())) as client:
+
+            async def one(body: dict) -> tuple[int, str, str | None]:
+                async with client.post("/generate", json=body) as response:
+                    return response.status, await response.text(), response.headers.get("Retry-After")
+
+            await client.post("/pause_generation", json={})  # held, and counted, until generation continues
+            first = asyncio.create_task(one({"input_ids": [[5, 6, 7]] * 3, "sampling_params": {"max_new_tokens": 4}}))
+            await asyncio.sleep(0.2)
+            refused = await one({"input_ids": [[5, 6]] * 2, "sampling_params": {"max_new_tokens": 2}})
+            await client.post("/continue_generation", json={})
+            admitted = await one({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+            done = await first
+    assert refused[0] == 503 and refused[2] == "1" and "limits.max_pending" in refused[1], refused
+    assert admitted[0] == 200 and done[0] == 200
