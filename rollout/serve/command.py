@@ -65,6 +65,7 @@ async def serve_embedded(config: ServeConfig) -> None:
     check_port_free(config.host, config.port)
     from rollout.engines.local import LocalEngine
     from rollout.serve.app import serve
+    from rollout.serve.guard import is_loopback
     from rollout.tokens import load_tokenizer
 
     set_threads(config.threads)
@@ -79,6 +80,9 @@ async def serve_embedded(config: ServeConfig) -> None:
         if task.done():
             task.result()  # raises the bind error
         console.print(f"serving {model_dir} on http://{config.host}:{config.port}", highlight=False)
+        if not is_loopback(config.host) and not config.api_key:
+            console.print(f"warning: {config.host} is not loopback and there is no --api-key: anyone who reaches "
+                          "this port can generate and load weights", highlight=False)  # fmt: skip
         faults = config.faults
         if faults is not None:
             console.print(f"injecting faults into /generate: {faults.error_rate:.1%} errors, {faults.hang_rate:.1%} "
