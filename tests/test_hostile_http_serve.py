@@ -181,7 +181,7 @@ ATTACKS: dict[str, Attack] = {
                                                ("max_prompts",)),
     "100,000 chat messages": Attack(1, generate({"messages": CHAT * 100_000}, "/v1/chat/completions"), 400,
                                     ("max_prompts",)),
-    "400 requests at once": Attack(1, flood(400), 200),
+    "200 requests at once": Attack(1, flood(200), 200),
     # 2. one request fails the others
     "temperature 1e-40": Attack(2, generate(sampling(temperature=1e-40)), 200),
     "top_k 2**64-1": Attack(2, generate(sampling(top_k=18446744073709551615, temperature=1.0)), 200),
