@@ -17,6 +17,10 @@ class ServeLimits:
     max_body_mb: float = 16.0
     """Largest request body, in MiB; a longer one is refused with 413 before it is read (weights sent
     as tensors have their own limit)."""
+    max_json_items: int = 2**20
+    """Most JSON values in one request body, counted before it is parsed (its ``,``, ``[`` and ``{``
+    characters): parsing millions of tiny values holds the interpreter, and so ``/health``, for a
+    fraction of a second (413). A batch of many long token-id prompts goes in several requests."""
     max_prompts: int = 1024
     """Most prompts in one request (a ``/generate`` batch, a ``/v1/completions`` prompt list)."""
     max_n: int = 64
@@ -37,8 +41,8 @@ class ServeLimits:
         check_fields(self)
         if not self.max_body_mb > 0:
             raise ValueError(f"limits.max_body_mb must be > 0, got {self.max_body_mb}")
-        for name in ("max_prompts", "max_n", "max_samples", "max_pending", "max_prompt_chars", "max_stop",
-                     "max_stop_chars"):  # fmt: skip
+        for name in ("max_json_items", "max_prompts", "max_n", "max_samples", "max_pending", "max_prompt_chars",
+                     "max_stop", "max_stop_chars"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -170,6 +170,7 @@ ATTACKS: dict[str, Attack] = {
                                    ("max_samples",)),
     "max_new_tokens 10**12": Attack(1, generate(sampling(max_new_tokens=10**12)), 400, ("max_new_tokens",)),
     "a 100,000-token prompt": Attack(1, generate({"input_ids": [5] * 100_000}), 400, ("context holds",)),
+    "5,000,000 token ids in 15 MB": Attack(1, generate({"input_ids": [[5] * 5000] * 1000}), 413, ("max_json_items",)),
     "100,000 stop strings": Attack(1, generate(sampling(stop=["x"] * 100_000)), 400, ("max_stop",)),
     "a 1 MB stop string": Attack(1, generate(sampling(stop=["x" * 2**20])), 400, ("max_stop_chars",)),
     "100,000 stop token ids": Attack(1, generate(sampling(stop_token_ids=[5] * 100_000)), 400, ("max_stop",)),

@@ -54,8 +54,9 @@ class EngineServer(ServerState):
         limits = {"/update_weights_from_tensor": MAX_WEIGHT_BODY}
         app = web.Application(client_max_size=max(self.config.limits.max_body_bytes, *limits.values()),
                               middlewares=[self._errors])  # fmt: skip
-        HttpGuard(self.config.host, _guard_reply, self.config.api_key, OPEN_PATHS, self.config.limits.max_body_bytes,
-                  limits, not_json_status=400).install(app)  # fmt: skip
+        bounds = self.config.limits
+        HttpGuard(self.config.host, _guard_reply, self.config.api_key, OPEN_PATHS, bounds.max_body_bytes, limits,
+                  not_json_status=400, max_json_items=bounds.max_json_items).install(app)  # fmt: skip
         routes = [*NativeRoutes(self).routes(), *WeightRoutes(self).routes(), *OpenAIRoutes(self).routes()]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)

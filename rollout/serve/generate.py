@@ -88,8 +88,11 @@ async def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list
         batched = isinstance(prompts[0], list)
         prompts = prompts if batched else [prompts]
         check_count("input_ids", len(prompts), limits.max_prompts, "max_prompts")
+        context = server.context_length
         for i, ids in enumerate(prompts):
             name = f"input_ids[{i}]" if batched else "input_ids"
+            if isinstance(ids, list) and context is not None and len(ids) >= context:  # before reading each id
+                raise BadRequest(f"{name}: the prompt has {len(ids)} tokens, the context holds {context}")
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise BadRequest(f"{name}: expected a list of token ids", "schema")
             if not ids:

@@ -68,6 +68,9 @@ class HttpGuard:
     body_limits: Mapping[str, int] = field(default_factory=dict)
     """Routes allowed a larger body than ``max_body_bytes`` (weights sent as tensors)."""
     body_limit_hint: str = "limits.max_body_mb"
+    max_json_items: int | None = None
+    """Most JSON values a body may hold, counted before it is parsed (``count_json_items``); None: any."""
+    json_items_hint: str = "limits.max_json_items"
     not_json_status: int = 415
     """The status of a body that is not JSON (``rallyrl serve`` answers 400, as SGLang's ``/v1`` routes do)."""
 
@@ -134,6 +137,16 @@ def _same_origin(origin: str, host: str | None) -> bool:
     return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
 
 
+def check_json_items(raw: bytes, limit: int | None, hint: str) -> None:
+    """A ``BodyTooLarge`` when ``raw`` may hold more than ``limit`` JSON values: its ``,``, ``[`` and ``{``
+    characters are counted (those in strings too, an upper bound), milliseconds for megabytes."""
+    if limit is not None and len(raw) > limit:
+        items = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if items > limit:
+            raise BodyTooLarge(f"the body holds up to {items} JSON values (its ',', '[' and '{{' characters), over "
+                               f"this server's limit of {limit} ({hint})")  # fmt: skip
+
+
 class BodyTooLarge(ValueError):
     """A body sent without a ``Content-Length`` that went over the route's limit as it was read."""
 
@@ -154,4 +167,8 @@ async def read_limited(request: web.Request, limit: int | None = None) -> bytes:
             chunks.clear()
             raise BodyTooLarge(f"the body is over this route's limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    raw = b"".join(chunks)
+    guard = request.app.get(GUARD_KEY)
+    if guard is not None:
+        check_json_items(raw, guard.max_json_items, guard.json_items_hint)
+    return raw
