@@ -321,7 +321,7 @@ async def serve_gateway(config: GatewayJobConfig, console: Console | None = None
                                  seed=config.seed)  # fmt: skip
             engine = await stack.enter_async_context(engine)
             gateway = Gateway(engine, tokenizer, config.gateway, config.rollout, reward_fn=reward_fn,
-                              model_name=model_dir.name, on_finish=write)  # fmt: skip
+                              model_name=model_dir.name, on_finish=write, freeze_heap=True)  # fmt: skip
             await stack.enter_async_context(gateway)
             if console is not None:
                 console.print(f"agent gateway for {model_dir} on {gateway.url} (POST /sessions opens a session; "

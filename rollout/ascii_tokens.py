@@ -115,10 +115,14 @@ class AsciiEncoder:
         cache = self._cache
         if len(cache) + len(words) > _MAX_WORDS:
             cache.clear()
+        found: dict[str, list[int]] = {}  # this call's own: another thread may clear the cache meanwhile
         for word in words:
-            if word not in cache:
-                cache[word] = [token.id for token in self.model.tokenize(word.translate(_ALPHABET))]
-        return list(chain.from_iterable(map(cache.__getitem__, words)))
+            if word not in found:
+                ids = cache.get(word)
+                if ids is None:
+                    ids = cache[word] = [token.id for token in self.model.tokenize(word.translate(_ALPHABET))]
+                found[word] = ids
+        return list(chain.from_iterable(map(found.__getitem__, words)))
 
 
 def _compiled(pattern: str) -> Any:

@@ -65,6 +65,10 @@ class ConsistencyReport:
     diff: str = ""
 
 
+_PROBE_END = 8192
+"""Characters of each end of the rendered probe conversation the backend is checked on (``same_backend``)."""
+
+
 class ChatTokenizer:
     """A tokenizer plus the tool schemas of a rollout: renders prompts, glue and deltas."""
 
@@ -87,7 +91,10 @@ class ChatTokenizer:
                   ([{"role": "system", "content": "s"}, *_BASE_MESSAGES, *tool_turns], True)]  # fmt: skip
         if direct is not None and all(direct(m, g) == self.render(m, g) for m, g in probes):
             self._direct = direct
-        self._backend = same_backend(tokenizer, base_text + self.render(_BASE_MESSAGES[:1], True))
+        probe = base_text + self.render(_BASE_MESSAGES[:1], True)
+        if len(probe) > 2 * _PROBE_END:  # a long tool list: its ends only (the check holds the GIL in Rust)
+            probe = probe[:_PROBE_END] + probe[-_PROBE_END:]
+        self._backend = same_backend(tokenizer, probe)
         self._splitter = SegmentSplitter.of(self._backend)
         self._encode = None if self._backend is None else fast_encoder(self._backend)
         self._ascii_decode = None if self._backend is None else AsciiDecoder.of(self._backend)

@@ -32,6 +32,7 @@ from rollout.engines.base import EngineError, Generation, SamplingParams
 from rollout.engines.local import LocalEngine
 from rollout.engines.local_model import load_model
 from rollout.gateway import Gateway
+from rollout.gateway.chats import ChatCache
 from rollout.request import AsyncRolloutRequest
 from rollout.tokens import ChatTokenizer, load_tokenizer
 
@@ -166,12 +167,12 @@ BadCall = Callable[[list[dict[str, Any]]], dict[str, Any]]
 
 
 async def check_bad_call_harms_nothing(gateway: Gateway, http: aiohttp.ClientSession, request: BadCall,
-                                       field: str) -> None:  # fmt: skip
-    """A bad call is answered 400 naming ``field``, and the next good call still extends the session."""
+                                       field: str, status: int = 400) -> None:  # fmt: skip
+    """A bad call is answered ``status`` naming ``field``, and the next good call still extends the session."""
     sid = await open_session(gateway, http)
     good = await first_call(gateway, http, sid)
     async with http.post(chat_url(gateway, sid), **request(good)) as response:
-        error = error_of(response.status, await response.json(content_type=None), 400)
+        error = error_of(response.status, await response.json(content_type=None), status)
     assert field in error["message"] and error["type"] == "invalid_request_error"
     status, answer = await post(http, chat_url(gateway, sid), _body()(good))
     assert status == 200, answer
@@ -187,7 +188,7 @@ async def check_bad_call_harms_nothing(gateway: Gateway, http: aiohttp.ClientSes
 async def test_a_malformed_call_is_400_naming_the_field_and_leaves_the_session_whole(scripted, tokenizer, what,
                                                                                     request_, field):  # fmt: skip
     async with gateway_on(scripted, tokenizer) as (gateway, http):
-        await check_bad_call_harms_nothing(gateway, http, request_, field)
+        await check_bad_call_harms_nothing(gateway, http, request_, field, 415 if what == "wrong content type" else 400)
         assert gateway.counters["calls"] == 2
 
 
@@ -282,6 +283,90 @@ async def test_a_finished_session_is_409_everywhere(scripted, tokenizer):
         assert (await post(http, f"{gateway.url}/sessions", {"session_id": sid}))[0] == 409
 
 
+async def test_a_bearer_naming_another_session_is_403_and_any_other_key_is_ignored(scripted, tokenizer):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway_on(scripted, tokenizer) as (gateway, http):
+        a, b = await open_session(gateway, http), await open_session(gateway, http)
+        status, answer = await post(http, chat_url(gateway, b), body, headers={"Authorization": f"Bearer {a}"})
+        error = error_of(status, answer, 403)
+        assert error["code"] == "session_mismatch" and a in error["message"] and b in error["message"]
+        assert gateway.sessions[a].calls == gateway.sessions[b].calls == 0
+        for key in ("unused", b, "sk-not-a-session"):  # a client's own key, or the path's session
+            status, answer = await post(http, chat_url(gateway, b), body, headers={"Authorization": f"Bearer {key}"})
+            assert status == 200, answer
+        await finish(gateway, http, a)  # a finished session is still a session
+        mismatched = {"Authorization": f"Bearer {a}"}
+        status, answer = await post(http, f"{gateway.url}/sessions/{b}/finish", headers=mismatched)
+        assert error_of(status, answer, 403)["code"] == "session_mismatch" and b in gateway.sessions
+
+
+@pytest.mark.parametrize("sid", ["a?b", "a#b", "a%2Fb", "..", "a..b", "-a", "a/b", "a\r\nb", "a b", "", "x" * 129, 5])
+async def test_a_session_id_outside_the_safe_alphabet_is_400(scripted, tokenizer, sid):
+    async with gateway_on(scripted, tokenizer) as (gateway, http):
+        status, answer = await post(http, f"{gateway.url}/sessions", {"session_id": sid})
+        error = error_of(status, answer, 400)
+        assert error["code"] == "invalid_session_id" and error["message"].startswith("session_id:")
+        assert not gateway.sessions
+        for fine in ("a", "x" * 128, "run-1.g2:3_4"):
+            await open_session(gateway, http, session_id=fine)
+
+
+async def test_finished_ids_are_remembered_past_keep_finished_up_to_remember_finished(scripted, tokenizer):
+    async with gateway_on(scripted, tokenizer, keep_finished=1, remember_finished=3) as (gateway, http):
+        sids = [await open_session(gateway, http, session_id=f"s{i}") for i in range(4)]
+        for sid in sids:
+            await finish(gateway, http, sid)
+        assert list(gateway.finished) == ["s3"]
+        for sid in ("s1", "s2"):  # no trajectory kept, the id remembered
+            status, answer = await post(http, f"{gateway.url}/sessions", {"session_id": sid})
+            assert error_of(status, answer, 409)["code"] == "session_exists"
+            status, answer = await post(http, chat_url(gateway, sid), {"messages": [{"role": "user", "content": "x"}]})
+            assert error_of(status, answer, 409)["code"] == "session_finished"
+        assert await open_session(gateway, http, session_id="s0") == "s0"  # the oldest, forgotten
+
+
+async def test_sessions_opened_in_process_neither_give_way_nor_expire_unused(scripted, tokenizer):
+    async with gateway_on(scripted, tokenizer, max_sessions=2, unused_session_timeout_s=0.1) as (gateway, http):
+        held = gateway.open_session()  # as AgentDriver opens them: the driver ends it
+        await asyncio.sleep(0.3)
+        assert held.id in gateway.sessions and gateway.counters["sessions_expired"] == 0
+        gateway.open_session()
+        status, answer = await post(http, f"{gateway.url}/sessions")
+        assert error_of(status, answer, 429)["code"] == "too_many_sessions"
+
+
+def test_the_chat_cache_keeps_lists_within_its_budget_least_recently_used_first(tokenizer):
+    def tools(name: str, size: int) -> tuple[list[dict[str, Any]], str]:
+        listed = [{"type": "function", "function": {"name": name, "description": "d" * size}}]
+        return listed, json.dumps(listed)
+
+    cache = ChatCache(tokenizer, max_entries=3, max_bytes=4000)
+    small = [tools(f"t{i}", 400) for i in range(4)]
+    chats = [cache.get(*listed) for listed in small[:3]]
+    assert cache.get(*small[0]) is chats[0] and len(cache) == 3  # t0 used again: t1 is the oldest now
+    cache.get(*small[3])
+    assert len(cache) == 3 and cache.get(*small[0]) is chats[0] and cache.get(*small[1]) is not chats[1]
+    big = tools("big", 1500)  # over a quarter of the budget: never kept
+    assert cache.get(*big) is not cache.get(*big) and cache.bytes <= 4000
+    own = cache.get(*big)
+    assert cache.get(*big, own=own) is own
+
+
+async def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(scripted, tokenizer):
+    rollout = RolloutConfig(max_model_len=64)
+    async with gateway_on(scripted, tokenizer, rollout) as (gateway, http):
+        longest = gateway._longest_token
+        sid = await open_session(gateway, http)
+        text = "x" * (64 * longest + 1)
+        status, answer = await post(http, chat_url(gateway, sid), {"messages": [{"role": "user", "content": text}]})
+        error = error_of(status, answer, 400)
+        assert error["code"] == "context_length_exceeded" and "characters of text" in error["message"]
+        reasoning = {"role": "assistant", "content": "<think>" + text + "</think>ok"}  # dropped by such templates
+        status, answer = await post(http, chat_url(gateway, sid), {"messages": [
+            {"role": "user", "content": "hi"}, reasoning, {"role": "user", "content": "and?"}]})  # fmt: skip
+        assert "characters of text" not in json.dumps(answer)
+
+
 async def test_two_finishes_at_once_end_the_session_once(scripted, tokenizer):
     finished: list[AsyncRolloutRequest] = []
     async with gateway_on(scripted, tokenizer, on_finish=finished.append) as (gateway, http):
@@ -305,15 +390,46 @@ async def test_a_finish_waits_for_the_call_in_flight_and_records_it(tokenizer):
         assert trajectory["turns"] == 1 and trajectory["messages"][-1]["content"] == "you said: slow"
 
 
-async def test_too_many_sessions_is_429_until_one_finishes(scripted, tokenizer):
+async def test_too_many_sessions_that_each_made_a_call_is_429_until_one_finishes(scripted, tokenizer):
     async with gateway_on(scripted, tokenizer, max_sessions=3) as (gateway, http):
         sids = [await open_session(gateway, http) for _ in range(3)]
+        for sid in sids:
+            await first_call(gateway, http, sid)
         status, answer = await post(http, f"{gateway.url}/sessions")
         error = error_of(status, answer, 429)
         assert error["code"] == "too_many_sessions" and "gateway.max_sessions" in error["message"]
         await finish(gateway, http, sids[0])
         await open_session(gateway, http)
-        assert len(gateway.sessions) == 3
+        assert len(gateway.sessions) == 3 and gateway.counters["sessions_evicted"] == 0
+
+
+async def test_a_full_gateway_ends_the_session_waiting_longest_for_its_first_call(scripted, tokenizer):
+    finished: list[AsyncRolloutRequest] = []
+    async with gateway_on(scripted, tokenizer, max_sessions=3, on_finish=finished.append) as (gateway, http):
+        used = await open_session(gateway, http)
+        await first_call(gateway, http, used)
+        oldest, newer = await open_session(gateway, http), await open_session(gateway, http)
+        newest = await open_session(gateway, http)  # 201: the oldest never-called session gives way
+        await asyncio.sleep(0.05)
+        assert set(gateway.sessions) == {used, newer, newest} and gateway.counters["sessions_evicted"] == 1
+        (evicted,) = finished
+        assert evicted.request_id == oldest and evicted.finish_reason.value == "abort"
+        assert "gateway.max_sessions (3)" in evicted.error and "never called" in evicted.error
+        status, answer = await post(http, chat_url(gateway, oldest), {"messages": [{"role": "user", "content": "x"}]})
+        assert error_of(status, answer, 409)["code"] == "session_finished"
+        await first_call(gateway, http, newer)
+        await first_call(gateway, http, newest)
+        status, answer = await post(http, f"{gateway.url}/sessions")  # every open session has made a call
+        assert error_of(status, answer, 429)["code"] == "too_many_sessions"
+
+
+async def test_a_session_opened_and_never_called_expires_after_the_unused_timeout(scripted, tokenizer):
+    async with gateway_on(scripted, tokenizer, unused_session_timeout_s=0.2) as (gateway, http):
+        unused, used = await open_session(gateway, http), await open_session(gateway, http)
+        await first_call(gateway, http, used)
+        await asyncio.sleep(0.6)
+        assert set(gateway.sessions) == {used} and gateway.counters["sessions_expired"] == 1
+        assert "gateway.unused_session_timeout_s" in gateway.finished[unused].error
 
 
 # ----- rewards -------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The agent gateway (``rollout/gateway/app.py``): sessions recorded token for token from agents we do
-not own (``session.py``), one chat completion at a time (``calls.py``), run for training (``agents.py``)."""
+not own (``session.py``), one chat completion at a time (``calls.py``), run for training (``agents.py``);
+opened, ended and expired by ``lifecycle.py`` over the table of ``registry.py``, every request within
+the caps of ``limits.py``, large work off the event loop (``offload.py``)."""
 
 from __future__ import annotations
 

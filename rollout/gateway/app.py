@@ -17,41 +17,61 @@ scored like a rollout (posted reward, else the reward function), checked, handed
 and freed. The trainer runs the gateway in-process (``rollout/gateway/agents.py``); ``rallyrl gateway``
 runs it alone and writes the finished sessions to JSONL.
 
-Errors are OpenAI's error objects: 400 bad request or a spent budget (``code`` says which), 404
-unknown session, 409 a finished session, 429 too many open sessions, 502 engine failure.
+Every request first passes the HTTP guard shared with ``rallyrl serve`` (``rollout/serve/guard.py``:
+loopback ``Host`` only, no cross-site requests, JSON bodies within ``gateway.max_body_mb``), then the
+gateway's caps (``limits.py``); large calls are prepared on worker threads (``offload.py``).
+
+Errors are OpenAI's error objects: 400 bad request or a spent budget (``code`` says which), 403 a
+refused origin or a bearer naming another session, 404 unknown session, 405 a method a route does not
+serve, 409 a finished session, 413 a body or a cap exceeded, 415 not JSON, 429 too many open sessions
+(each having made a call), 502 engine failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import gc
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from data.reward_fns import RewardFn
 from rollout.config import GatewayConfig, RolloutConfig
-from rollout.engines.base import Engine, EngineError
+from rollout.engines.base import Engine
 from rollout.gateway.calls import Call
-from rollout.gateway.errors import GatewayError, error_response
-from rollout.gateway.session import CallRefused, GatewaySession, chat_for, new_session_id
-from rollout.loop import default_reward, score_request
+from rollout.gateway.chats import ChatCache
+from rollout.gateway.errors import GatewayError, error_middleware, guard_reply
+from rollout.gateway.lifecycle import SessionLifecycle
+from rollout.gateway.limits import (
+    CallInput,
+    call_input,
+    check_session_id,
+    longest_token_chars,
+    read_json,
+    session_fields,
+)
+from rollout.gateway.offload import BIG_BODY, BIG_TOOLS
+from rollout.gateway.output import write_sessions
+from rollout.gateway.session import CallRefused, GatewaySession, new_session_id
+from rollout.loop import default_reward
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
-from rollout.serve.http import BadRequest, json_body, json_response
-from rollout.serve.openai_routes import stop_strings
+from rollout.serve.guard import HttpGuard
+from rollout.serve.http import BadRequest, TooLarge, json_response
 from rollout.tokens import ChatTokenizer
 
-logger = logging.getLogger(__name__)
+__all__ = ["Gateway", "write_sessions"]
+
+OPEN_BODY_SLACK = 4096
+"""Bytes a ``POST /sessions`` body may have beyond ``gateway.max_metadata_bytes`` (its other fields)."""
+CALL_BODY_SLACK = 64 * 2**10
+"""Bytes a call's body may have beyond ``gateway.max_history_bytes`` and ``max_tools_bytes`` (its other fields)."""
 
 
-
-class Gateway:
+class Gateway(SessionLifecycle):
     """The gateway's application and sessions over one engine. ``async with`` it to serve."""
 
     def __init__(
@@ -64,25 +84,31 @@ class Gateway:
         reward_fn: RewardFn = default_reward,
         model_name: str = "rallyrl",
         on_finish: Callable[[AsyncRolloutRequest], None] | None = None,
+        freeze_heap: bool = False,
     ):
+        """``freeze_heap``: a process that only serves the gateway (``rallyrl gateway``) moves what it has
+        loaded (the model, torch) out of the garbage collector's reach on entry: a full collection over
+        it takes ~0.4 s of the event loop, which thousands of sessions opened at once would trigger."""
         self.engine, self.tokenizer = engine, tokenizer
         self.config, self.rollout = config, rollout
         self.reward_fn = reward_fn
         self.model_name = config.served_model_name or model_name
         self.on_finish = on_finish
-        self.sessions: dict[str, GatewaySession] = {}
-        self.finished: OrderedDict[str, AsyncRolloutRequest] = OrderedDict()  # the newest keep_finished
-        self.counters = {"sessions_opened": 0, "sessions_finished": 0, "sessions_expired": 0, "calls": 0,
-                         "samples_split": 0, "calls_refused": 0, "calls_failed": 0}  # fmt: skip
-        self._chats: dict[str, ChatTokenizer] = {}
+        self.counters = {"sessions_opened": 0, "sessions_finished": 0, "sessions_expired": 0, "sessions_evicted": 0,
+                         "calls": 0, "samples_split": 0, "calls_refused": 0, "calls_failed": 0}  # fmt: skip
+        super().__init__()
+        self._chats = ChatCache(tokenizer)
+        self._longest_token = longest_token_chars(tokenizer)
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None
-        self._finishing: set[asyncio.Task[Any]] = set()
         self.port = config.port
+        self._freeze_heap = freeze_heap
 
     # ----- lifetime ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Gateway:
+        if self._freeze_heap:
+            gc.freeze()
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096, reuse_address=True)
@@ -98,10 +124,11 @@ class Gateway:
                 await self._reaper
         for session in list(self.sessions.values()):
             await self.finish_session(session, reason=FinishReason.ABORT, error="the gateway stopped")
-        if self._finishing:
-            await asyncio.gather(*self._finishing, return_exceptions=True)
+        if self._ender is not None:
+            await asyncio.gather(self._ender, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        self._offload.close()
 
     @property
     def url(self) -> str:
@@ -112,7 +139,9 @@ class Gateway:
         return f"{self.url}/sessions/{session_id}/v1"
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._errors])
+        """The routes, behind the shared HTTP guard (loopback ``Host``, no cross-site requests, JSON bodies
+        within ``gateway.max_body_mb``) and the middleware answering every failure as an error object."""
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[error_middleware(self.counters)])
         routes = [
             ("GET", "/health", self.health),
             ("GET", "/v1/models", self.models),
@@ -127,152 +156,67 @@ class Gateway:
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
+        guard = HttpGuard(self.config.host, guard_reply, open_paths=frozenset({"/health"}),
+                          max_body_bytes=self.config.max_body_bytes, body_limit_hint="gateway.max_body_mb")  # fmt: skip
+        guard.install(app)
         return app
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except GatewayError as exc:
-            return error_response(exc.status, str(exc), exc.code)
-        except CallRefused as exc:
-            self.counters["calls_refused"] += 1
-            return error_response(400, str(exc), exc.code)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
-        except EngineError as exc:
-            self.counters["calls_failed"] += 1
-            return error_response(502, f"engine error: {exc}")
-        except web.HTTPException as exc:
-            if exc.status >= 400:
-                return error_response(exc.status, exc.reason or str(exc))
-            raise
-        except Exception as exc:  # a bug: answer, log the trace, keep serving
-            logger.exception("%s %s failed", request.method, request.path)
-            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     # ----- sessions --------------------------------------------------------------------------------
 
-    def open_session(self, request: AsyncRolloutRequest | None = None, session_id: str | None = None,
-                     rollout: RolloutConfig | None = None) -> GatewaySession:  # fmt: skip
-        """A new session recording into ``request`` (a fresh one by default), under ``rollout``'s limits."""
-        if len(self.sessions) >= self.config.max_sessions:
-            raise GatewayError(429, f"{len(self.sessions)} sessions are open, the most gateway.max_sessions allows; "
-                                    "finish some first", "too_many_sessions")  # fmt: skip
-        session_id = session_id or new_session_id()
-        if session_id in self.sessions or session_id in self.finished:
-            raise GatewayError(409, f"session {session_id} already exists", "session_exists")
-        if request is None:
-            request = AsyncRolloutRequest(request_id=session_id, prompt_index=0, sample_index=0, messages=[])
-        session = GatewaySession(session_id, request, rollout or self.rollout, self.config.sampling)
-        self.sessions[session_id] = session
-        self.counters["sessions_opened"] += 1
-        return session
-
-    async def finish_session(self, session: GatewaySession, *, reason: FinishReason | None = None,
-                             error: str | None = None, reward: float | None = None) -> AsyncRolloutRequest:  # fmt: skip
-        """End a session once: its finish reason, reward (posted, else ``reward``, else the reward
-        function), the token check of its last sample; then hand it to ``on_finish`` and free it."""
-        session.closing = True
-        async with session.lock:  # after the call in flight, if any
-            if session.finished:
-                return session.request
-            request = session.request
-            if request.rewards.posted is None and reward is not None:
-                request.rewards.posted = reward
-            if error is not None or reason is not None:
-                request.finish(reason or FinishReason.ERROR, error)
-            elif session.refused is not None:  # its last call was refused: a budget was spent
-                request.finish(*session.refused)
-            elif session.calls == 0:
-                request.finish(FinishReason.ERROR, "the agent made no call through the gateway")
-            else:
-                request.finish(session.end_reason())
-            if request.state is not RequestState.COMPLETED:
-                request.transition(RequestState.COMPLETED)
-            posted = request.rewards.posted
-
-            def reward_fn(r: AsyncRolloutRequest) -> Any:
-                return posted if posted is not None else self.reward_fn(r)
-
-            try:  # (a session with no call has no tokens to check)
-                await score_request(request, [], session.chat, session.config, reward_fn,  # type: ignore[arg-type]
-                                    session.transcript)  # fmt: skip
-            finally:
-                session.finished = True
-                self.sessions.pop(session.id, None)
-                self.counters["sessions_finished"] += 1
-                self.counters["samples_split"] += len(request.segments)
-                self.finished[session.id] = request
-                while len(self.finished) > self.config.keep_finished:
-                    self.finished.popitem(last=False)
-        if self.on_finish is not None:
-            self.on_finish(request)
-        return request
-
-    def _session(self, request: web.Request) -> GatewaySession:
-        """The session a request names in its path, or in ``Authorization: Bearer``."""
-        sid = request.match_info.get("sid")
-        if sid is None:
-            auth = request.headers.get("Authorization", "")
-            sid = auth[7:].strip() if auth.startswith("Bearer ") else ""
-            if not sid:
+    def _sid(self, request: web.Request) -> str:
+        """The session a request names: in its path, else in ``Authorization: Bearer``. Both given, they
+        must agree when the bearer names a session (a client's own API key, ``unused``, is no session id)."""
+        path = request.match_info.get("sid")
+        auth = request.headers.get("Authorization", "")
+        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if path is None:
+            if not bearer:
                 raise GatewayError(404, "no session: use the base URL /sessions/{id}/v1, or the session id as the "
                                         "API key (Authorization: Bearer {id}); POST /sessions opens one",
                                    "session_not_found")  # fmt: skip
-        session = self.sessions.get(sid)
-        if session is None:
-            if sid in self.finished:
-                raise GatewayError(409, f"session {sid} is finished", "session_finished")
-            raise GatewayError(404, f"unknown session {sid!r} (POST /sessions opens one)", "session_not_found")
-        return session
+            return bearer
+        if bearer and bearer != path and self.table.knows(bearer):
+            raise GatewayError(403, f"the path names session {path!r} but Authorization: Bearer names session "
+                                    f"{bearer!r}: a call belongs to one session, send its id in both (or the path "
+                                    "alone)", "session_mismatch")  # fmt: skip
+        return path
 
-    async def _expire_idle(self) -> None:
-        """End sessions with no call for ``session_timeout_s`` (their agent is gone)."""
-        timeout = self.config.session_timeout_s
-        while True:
-            await asyncio.sleep(min(5.0, timeout / 4))
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.lock.locked() and not session.closing and now - session.last_used > timeout:
-                    self.counters["sessions_expired"] += 1
-                    error = f"the session had no call for {timeout:g} s"
-                    task = asyncio.create_task(self.finish_session(session, reason=FinishReason.ABORT, error=error))
-                    self._finishing.add(task)
-                    task.add_done_callback(self._finishing.discard)
+    def _session(self, request: web.Request) -> GatewaySession:
+        """The open session a request names (``_sid``); 409 if it is finished, 404 if unknown."""
+        return self.table.lookup(self._sid(request))
 
     # ----- session routes ----------------------------------------------------------------------
 
     async def create_session(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
+        limit = self.config.max_metadata_bytes + OPEN_BODY_SLACK
+        try:
+            body = await read_json(request, self.config, limit=limit)
+        except TooLarge:
+            raise GatewayError(413, f"the body of POST /sessions is over {limit} bytes: gateway.max_metadata_bytes "
+                                    f"({self.config.max_metadata_bytes}) for metadata, ground_truth and data_source, "
+                                    f"{OPEN_BODY_SLACK} for the rest", "metadata_too_large") from None  # fmt: skip
         sid = body.get("session_id")
-        if sid is not None and (not isinstance(sid, str) or not sid or len(sid) > 200 or "/" in sid):
-            raise BadRequest("session_id: expected a string of at most 200 characters without '/'")
-        fields = {}
-        for name, kind in (("prompt_index", int), ("sample_index", int), ("ground_truth", str), ("data_source", str),
-                           ("metadata", dict)):  # fmt: skip
-            value = body.get(name)
-            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-                raise BadRequest(f"{name}: expected {kind.__name__}, got {value!r}")
-            fields[name] = value
-        sid = sid or new_session_id()
+        sid = new_session_id() if sid is None else check_session_id(sid)
+        fields = session_fields(body, self.config)
+        self.table.check_new(sid)
         record = AsyncRolloutRequest(
             request_id=sid, prompt_index=fields["prompt_index"] or 0, sample_index=fields["sample_index"] or 0,
             messages=[], data_source=fields["data_source"] or "gateway", ground_truth=fields["ground_truth"],
             extra=dict(fields["metadata"] or {}),
         )  # fmt: skip
-        self.open_session(record, sid)
+        self.open_session(record, sid, held=False)
         return json_response({"session_id": sid, "base_url": self.base_url(sid), "api_key": sid}, status=201)
 
     async def list_sessions(self, request: web.Request) -> web.Response:
-        return json_response({"open": len(self.sessions), "finished_kept": len(self.finished), **self.counters})
+        return json_response({"open": len(self.sessions) - len(self.table.closing), "finished_kept": len(self.finished),
+                              "finished_remembered": len(self.table.finished_ids), **self.counters})  # fmt: skip
 
     async def get_session(self, request: web.Request) -> web.Response:
-        sid = request.match_info["sid"]
+        sid = self._sid(request)
         if sid in self.finished:
             return json_response({"session_id": sid, "state": "completed",
                                   "trajectory": self.finished[sid].to_record()})  # fmt: skip
-        session = self._session(request)
+        session = self.table.lookup(sid)
         r = session.request
         return json_response({"session_id": sid, "state": r.state.value, "calls": session.calls,
                               "turns": r.metrics.turns, "samples": len(r.segments) + (session.calls > 0),
@@ -280,7 +224,7 @@ class Gateway:
 
     async def post_reward(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        reward = _reward((await json_body(request, required=True)).get("reward"))
+        reward = _reward((await read_json(request, self.config, required=True)).get("reward"))
         if reward is None:
             raise BadRequest("reward: required, a finite number")
         session.request.rewards.posted = reward
@@ -288,7 +232,7 @@ class Gateway:
 
     async def post_finish(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        body = await json_body(request)
+        body = await read_json(request, self.config)
         error = body.get("error")
         if error is not None and not isinstance(error, str):
             raise BadRequest("error: expected a string (why the agent failed)")
@@ -308,51 +252,78 @@ class Gateway:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rallyrl"}
         return json_response({"object": "list", "data": [model]})
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """One call of a session: plan (extend or new sample), generate, commit, answer."""
-        session = self._session(request)
-        if request.content_type != "application/json":
-            raise BadRequest(f"Content-Type: only application/json is accepted, got {request.content_type!r}")
-        body = await json_body(request, required=True)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages: required, a non-empty list of messages")
-        if body.get("n") not in (None, 1):
-            raise BadRequest("n: a session records one conversation; open one session per sample")
-        tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise BadRequest("tools: expected a list of tool objects")
-        for i, tool in enumerate(tools or []):
-            function = tool.get("function")
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-                raise BadRequest(f'tools[{i}]: expected {{"type": "function", "function": {{"name": ..., '
-                                 f'"parameters": ...}}}}, got {tool!r}')  # fmt: skip
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):  # fmt: skip
-            raise BadRequest(f"max_tokens: expected a positive integer, got {max_tokens!r}")
-        stop = stop_strings(body)
-        chat, tools_key = chat_for(self.tokenizer, tools or None, self._chats)
-        if session.closing or session.finished:
-            raise GatewayError(409, f"session {session.id} is finished", "session_finished")
-        async with session.lock:
-            if session.finished:
-                raise GatewayError(409, f"session {session.id} is finished", "session_finished")
-            session.last_used = time.monotonic()
-            try:
-                plan = session.plan(messages, chat, tools_key, max_tokens)
-            except CallRefused as exc:  # the session ends so unless the agent goes on (a shorter history)
-                session.refused = (exc.finish_reason, str(exc))
-                raise
-            sampling = session.sampling_params(body, plan)
-            call = Call(self, session, plan, sampling, stop, body, tools is not None)
-            session.request.transition(RequestState.RUNNING)
-            try:
-                return await (call.stream(request) if body.get("stream") else call.answer())
-            finally:
-                session.between_calls()
-                session.last_used = time.monotonic()
+    async def _call_body(self, request: web.Request) -> dict[str, Any]:
+        """A call's JSON body, at most what its messages and tools may hold (refused unparsed past that)."""
+        config = self.config
+        limit = min(config.max_body_bytes, config.max_history_bytes + config.max_tools_bytes + CALL_BODY_SLACK)
+        try:
+            return await read_json(request, config, required=True, limit=limit)
+        except TooLarge:
+            raise GatewayError(413, f"the body of the call is over {limit} bytes: gateway.max_history_bytes "
+                                    f"({config.max_history_bytes}) for messages, gateway.max_tools_bytes "
+                                    f"({config.max_tools_bytes}) for tools, {CALL_BODY_SLACK} for the rest",
+                               "call_too_large") from None  # fmt: skip
 
+    def _fits(self, session: GatewaySession, call: CallInput) -> bool:
+        """Whether the call's text could fit the context at all (``check_fits``)."""
+        longest = self._longest_token
+        return longest is None or call.verbatim_chars <= session.config.max_model_len * longest
+
+    def _check_fits(self, session: GatewaySession, call: CallInput) -> None:
+        """Refuse at once a call whose text cannot fit the context, however it were tokenized (before
+        spending seconds rendering and tokenizing megabytes of it)."""
+        if not self._fits(session, call):
+            raise CallRefused(f"the conversation and its tools have {call.verbatim_chars} characters of text: more "
+                              f"than rollout.max_model_len {session.config.max_model_len} tokens can hold (at most "
+                              f"{self._longest_token} characters a token)", FinishReason.LENGTH,
+                              "context_length_exceeded")  # fmt: skip
+
+    def _chat(self, session: GatewaySession, call: CallInput) -> ChatTokenizer | None:
+        """The chat tokenizer of the call's tools (none for a call that cannot fit: it is refused)."""
+        if not self._fits(session, call):
+            return None
+        return self._chats.get(call.tools, call.tools_key, session.chat_of(call.tools_key))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """One call of a session: plan (extend or new sample), generate, commit, answer. A large body is
+        checked, rendered and tokenized on a worker thread (``offload.py``)."""
+        session = self._session(request)
+        if request.content_type != "application/json" and not request.content_type.endswith("+json"):
+            raise GatewayError(415, f"Content-Type {request.content_type!r}: send the body as application/json",
+                               "not_json")  # fmt: skip
+        big = request.content_length is None or request.content_length >= BIG_BODY
+        try:
+            body = await self._call_body(request)
+            call = await self._offload.run(call_input, body, self.config, request.content_length) if big else (
+                call_input(body, self.config, request.content_length))  # fmt: skip
+            big = big or len(call.tools_key) >= BIG_TOOLS  # (rendering them is the work)
+            chat = await self._offload.run(self._chat, session, call) if big else self._chat(session, call)
+            if session.closing or session.finished:
+                raise GatewayError(409, f"session {session.id} is finished", "session_finished")
+            session.heavy = session.heavy or big
+            async with session.lock:
+                if session.finished:
+                    raise GatewayError(409, f"session {session.id} is finished", "session_finished")
+                session.last_used = time.monotonic()
+                try:
+                    self._check_fits(session, call)
+                    assert chat is not None
+                    plan_args = (call.messages, chat, call.tools_key, call.max_tokens)
+                    plan = await self._offload.run(session.plan, *plan_args) if big else session.plan(*plan_args)
+                except CallRefused as exc:  # the session ends so unless the agent goes on (a shorter history)
+                    session.refused = (exc.finish_reason, str(exc))
+                    raise
+                sampling = session.sampling_params(body, plan)
+                answer = Call(self, session, plan, sampling, call.stop, body, call.tools is not None)
+                session.request.transition(RequestState.RUNNING)
+                try:
+                    return await (answer.stream(request) if body.get("stream") else answer.answer())
+                finally:
+                    session.between_calls()
+                    session.last_used = time.monotonic()
+        finally:
+            if big:
+                self._offload.trim_soon()
 
 
 def _reward(value: Any) -> float | None:
@@ -361,19 +332,3 @@ def _reward(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadRequest(f"reward: expected a finite number, got {value!r}")
     return float(value)
-
-
-def write_sessions(path: str | Path) -> tuple[Callable[[AsyncRolloutRequest], None], Callable[[], None]]:
-    """An ``on_finish`` that appends each finished session to a JSONL file (flushed), and its closer."""
-    import orjson
-
-    from rollout.output_file import open_output
-
-    file = open_output(path, append=True)
-    assert file is not None
-
-    def write(request: AsyncRolloutRequest) -> None:
-        file.write(orjson.dumps(request.to_record()) + b"\n")
-        file.flush()
-
-    return write, file.close

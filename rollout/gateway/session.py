@@ -37,7 +37,7 @@ from rollout.parsers import get_parser
 from rollout.reasoning import get_reasoning_format
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, Segment, ToolCallRecord
 from rollout.serve.http import BadRequest
-from rollout.serve.openai_routes import sampling_numbers, template_message
+from rollout.serve.openai_requests import sampling_numbers, template_message
 from rollout.tokens import ChatTokenizer, TemplateError
 from rollout.transcript import Transcript
 
@@ -62,11 +62,11 @@ def canonical(message: dict[str, Any], index: int) -> Canonical:
     role = message["role"]
     calls: list[tuple[str, str]] = []
     for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        arguments = function.get("arguments", "{}")
+        function = (call.get("function") or {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else "{}"
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise BadRequest(f"messages[{index}].tool_calls: arguments are not valid JSON") from None
         calls.append((str(function.get("name")), json.dumps(arguments, sort_keys=True, ensure_ascii=False)))
     return role, text.strip() if role == "assistant" else text, tuple(calls)
@@ -103,11 +103,14 @@ class PendingCall:
 class GatewaySession:
     """The recording of one agent run. Calls are taken one at a time (``lock``)."""
 
-    def __init__(self, session_id: str, request: AsyncRolloutRequest, config: RolloutConfig, sampling: str):
+    def __init__(self, session_id: str, request: AsyncRolloutRequest, config: RolloutConfig, sampling: str,
+                 held: bool = True):  # fmt: skip
         self.id = session_id
         self.request = request
         self.config = config
         self.sampling = sampling
+        self.held = held  # opened by its driver in-process (which ends it), not by an HTTP client
+        self.heavy = False  # a call brought a large body: its memory is given back when the session ends
         self.lock = asyncio.Lock()
         self.last_used = time.monotonic()
         self.finished = False
@@ -123,6 +126,15 @@ class GatewaySession:
         self._sample_turns = 0  # assistant turns in the current sample
         self._pending: list[PendingCall] = []
 
+    @property
+    def evictable(self) -> bool:
+        """Opened over HTTP and never called: an abandoned open, which gives way when the gateway is full."""
+        return not self.held and self.calls == 0
+
+    def chat_of(self, tools_key: str) -> ChatTokenizer | None:
+        """The session's chat tokenizer if it renders the tools of ``tools_key``."""
+        return self.chat if self.chat is not None and tools_key == self._tools_key else None
+
     # ----- a call ----------------------------------------------------------------------------------
 
     def plan(self, raw_messages: list[Any], chat: ChatTokenizer, tools_key: str, max_tokens: int | None) -> CallPlan:
@@ -132,8 +144,8 @@ class GatewaySession:
         if request.metrics.turns >= config.max_turns:
             raise CallRefused(f"the session has had its {config.max_turns} assistant turns (rollout.max_turns)",
                               FinishReason.MAX_TURNS, "max_turns_exceeded")  # fmt: skip
-        canonicals = [canonical(m, i) for i, m in enumerate(raw_messages)]
         messages = [template_message(m, i, self.config.tool_parser) for i, m in enumerate(raw_messages)]
+        canonicals = [canonical(m, i) for i, m in enumerate(raw_messages)]
         reason = self._split_reason(canonicals, tools_key)
         if reason is None:
             assert self._expected is not None
@@ -339,19 +351,3 @@ def answer_message(text: str, parser_name: str | None, reasoning_name: str = "no
         for call in calls
     ]  # fmt: skip
     return message
-
-
-def chat_for(tokenizer: Any, tools: list[dict[str, Any]] | None, cache: dict[str, ChatTokenizer]) -> tuple[
-        ChatTokenizer, str]:  # fmt: skip
-    """The chat tokenizer that renders ``tools`` (cached by their JSON), and that JSON."""
-    key = json.dumps(tools, sort_keys=True) if tools else ""
-    chat = cache.get(key)
-    if chat is None:
-        try:
-            chat = ChatTokenizer(tokenizer, tools)
-        except TemplateError as exc:
-            raise BadRequest(f"tools: {exc}") from None
-        if len(cache) >= 64:
-            cache.pop(next(iter(cache)))
-        cache[key] = chat
-    return chat, key

@@ -116,7 +116,10 @@ class HttpGuard:
         async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
             refused = self.refusal(request)
             if refused is not None:
-                return self.reply(request, *refused)
+                response = self.reply(request, *refused)
+                if request.body_exists:  # unread: the connection cannot carry another request
+                    response.force_close()
+                return response
             return await handler(request)
 
         return guard
