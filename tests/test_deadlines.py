@@ -150,8 +150,8 @@ def test_thousands_of_deadlines_each_fire_on_time_or_not_at_all():
     for (sleep_s, timeout_s), out in zip(plan, timed_out, strict=True):
         if timeout_s == 10.0 or sleep_s < timeout_s - margin:
             assert not out, (sleep_s, timeout_s, lag)
-        elif sleep_s > timeout_s + 0.03:
-            assert out, (sleep_s, timeout_s)
+        elif sleep_s > timeout_s + margin:  # (a loop stalled past both makes either order right)
+            assert out, (sleep_s, timeout_s, lag)
     assert sum(timed_out) > 500
 
 

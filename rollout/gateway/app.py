@@ -60,7 +60,7 @@ from rollout.gateway.session import CallRefused, GatewaySession, new_session_id
 from rollout.loop import default_reward
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.serve.guard import HttpGuard
-from rollout.serve.http import BadRequest, TooLarge, json_response
+from rollout.serve.http import BadRequest, TooLarge, TooManyJSONValues, json_response
 from rollout.tokens import ChatTokenizer
 
 __all__ = ["Gateway", "write_sessions"]
@@ -156,8 +156,10 @@ class Gateway(SessionLifecycle):
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
-        guard = HttpGuard(self.config.host, guard_reply, open_paths=frozenset({"/health"}),
-                          max_body_bytes=self.config.max_body_bytes, body_limit_hint="gateway.max_body_mb")  # fmt: skip
+        config = self.config
+        guard = HttpGuard(config.host, guard_reply, open_paths=frozenset({"/health"}),
+                          max_body_bytes=config.max_body_bytes, body_limit_hint="gateway.max_body_mb",
+                          max_json_items=config.max_json_items, json_items_hint="gateway.max_json_items")  # fmt: skip
         guard.install(app)
         return app
 
@@ -191,6 +193,8 @@ class Gateway(SessionLifecycle):
         limit = self.config.max_metadata_bytes + OPEN_BODY_SLACK
         try:
             body = await read_json(request, self.config, limit=limit)
+        except TooManyJSONValues:
+            raise
         except TooLarge:
             raise GatewayError(413, f"the body of POST /sessions is over {limit} bytes: gateway.max_metadata_bytes "
                                     f"({self.config.max_metadata_bytes}) for metadata, ground_truth and data_source, "
@@ -258,6 +262,8 @@ class Gateway(SessionLifecycle):
         limit = min(config.max_body_bytes, config.max_history_bytes + config.max_tools_bytes + CALL_BODY_SLACK)
         try:
             return await read_json(request, config, required=True, limit=limit)
+        except TooManyJSONValues:
+            raise
         except TooLarge:
             raise GatewayError(413, f"the body of the call is over {limit} bytes: gateway.max_history_bytes "
                                     f"({config.max_history_bytes}) for messages, gateway.max_tools_bytes "

@@ -4,7 +4,6 @@ cap, 413 for a byte cap, 400 for anything else."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +13,7 @@ from aiohttp import web
 
 from rollout.gateway.errors import GatewayError
 from rollout.gateway_config import GatewayConfig
-from rollout.serve.guard import BodyTooLarge, read_limited
-from rollout.serve.http import BadRequest, TooLarge
+from rollout.serve.http import BadRequest, json_body
 from rollout.serve.openai_requests import check_depth, stop_strings
 
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -25,9 +23,6 @@ MAX_STOP = 64
 """Most stop strings of one call."""
 MAX_STOP_CHARS = 512
 """Longest stop string, in characters (each decoded token is searched for every stop string)."""
-PARSE_OFF_LOOP = 256 * 2**10
-"""Bodies at least this long are measured and parsed on a worker thread (C calls that hold the interpreter
-for milliseconds each, which the event loop can answer ``/health`` between)."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """Seeds an engine takes (a 64-bit generator seed)."""
 
@@ -35,36 +30,13 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 async def read_json(request: web.Request, config: GatewayConfig, required: bool = False,
                     limit: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The JSON object of a request body ({} for none unless ``required``) of at most ``limit`` bytes
-    (default ``max_body_mb``: a longer one is a ``TooLarge``, 413) and ``max_json_items`` values (413)."""
+    (default ``max_body_mb``) and ``max_json_items`` values (counted by the guard before parsing): a
+    longer one is a ``TooLarge``, 413 (``rollout.serve.http.json_body``)."""
     if not request.can_read_body:
         if required:
             raise BadRequest("the request has no body: send a JSON object", "schema")
         return {}
-    try:
-        raw = await read_limited(request, limit)
-    except BodyTooLarge as exc:
-        raise TooLarge(str(exc)) from None
-    if not raw.strip():
-        if required:
-            raise BadRequest("the request body is empty: send a JSON object", "schema")
-        return {}
-    return parse_json(raw, config) if len(raw) < PARSE_OFF_LOOP else await asyncio.to_thread(parse_json, raw, config)
-
-
-def parse_json(raw: bytes, config: GatewayConfig) -> dict[str, Any]:
-    """The JSON object ``raw`` holds, if it holds at most ``max_json_items`` values (413)."""
-    items = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    if items > config.max_json_items:
-        raise GatewayError(413, f"the body holds up to {items} JSON values (its ',', '[' and '{{' characters), over "
-                                f"this gateway's limit of {config.max_json_items} (gateway.max_json_items)",
-                           "too_many_json_values")  # fmt: skip
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}", "schema") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", "schema")
-    return body
+    return await json_body(request, required, limit)
 
 
 def check_session_id(sid: Any) -> str:

@@ -146,12 +146,16 @@ def check_json_items(raw: bytes, limit: int | None, hint: str) -> None:
     if limit is not None and len(raw) > limit:
         items = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
         if items > limit:
-            raise BodyTooLarge(f"the body holds up to {items} JSON values (its ',', '[' and '{{' characters), over "
+            raise TooManyValues(f"the body holds up to {items} JSON values (its ',', '[' and '{{' characters), over "
                                f"this server's limit of {limit} ({hint})")  # fmt: skip
 
 
 class BodyTooLarge(ValueError):
     """A body sent without a ``Content-Length`` that went over the route's limit as it was read."""
+
+
+class TooManyValues(BodyTooLarge):
+    """A body within the byte limit that holds more JSON values than the server's ``max_json_items``."""
 
 
 async def read_limited(request: web.Request, limit: int | None = None) -> bytes:

@@ -10,17 +10,21 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from rollout.serve.guard import BodyTooLarge, read_limited
+from rollout.serve.guard import BodyTooLarge, TooManyValues, read_limited
 
 ErrorKind = Literal["invalid", "schema", "contract"]
 
 
-PARSE_OFF_LOOP = 2**20
+PARSE_OFF_LOOP = 256 * 2**10
 """Bodies at least this long are parsed on a worker thread, so the event loop (``/health``) keeps answering."""
 
 
 class TooLarge(ValueError):
     """A body over the route's limit: answered with HTTP 413 and this message."""
+
+
+class TooManyJSONValues(TooLarge):
+    """A body with more JSON values than the server takes (413, the message naming the setting)."""
 
 
 class BadRequest(ValueError):
@@ -45,6 +49,8 @@ async def json_body(request: web.Request, required: bool = False, limit: int | N
         return dict(request.query)
     try:
         raw = await read_limited(request, limit)
+    except TooManyValues as exc:
+        raise TooManyJSONValues(str(exc)) from None
     except BodyTooLarge as exc:
         raise TooLarge(str(exc)) from None
     if not raw.strip():
