@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout.serve.http import BadRequest, TooLarge, json_response
+from rollout.serve.http import BadRequest, TooLarge, TooManyJSONValues, json_response
 
 logger = logging.getLogger("rollout.gateway.app")
 
@@ -83,6 +83,8 @@ def error_middleware(counters: dict[str, int]) -> Any:
             return error_response(400, str(exc), exc.code)
         if isinstance(exc, BadRequest):
             return error_response(400, str(exc))
+        if isinstance(exc, TooManyJSONValues):
+            return error_response(413, str(exc), "too_many_json_values")
         if isinstance(exc, TooLarge):
             return error_response(413, f"{exc} (gateway.max_body_mb)", "body_too_large")
         if isinstance(exc, EngineError):
