@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import aiohttp
@@ -292,8 +293,8 @@ async def test_the_server_refuses_the_attack_and_serves_on(server, reference, na
 
 
 def test_the_attacks_cover_the_serve_classes():
-    assert len(ATTACKS) >= 40
-    assert {attack.kind for attack in ATTACKS.values()} == {1, 2, 3, 4, 5, 6}
+    assert len(ATTACKS) + len(KEYED_ATTACKS) >= 40
+    assert {attack.kind for attack in [*ATTACKS.values(), *KEYED_ATTACKS.values()]} == {1, 2, 3, 4, 5, 6, 8}
 
 
 async def test_a_flood_past_max_pending_is_answered_busy_at_once_and_the_rest_served():
@@ -325,3 +326,71 @@ async def test_a_flood_past_max_pending_is_answered_busy_at_once_and_the_rest_se
             done = await first
     assert refused[0] == 503 and refused[2] == "1" and "limits.max_pending" in refused[1], refused
     assert admitted[0] == 200 and done[0] == 200
+
+
+# ----- a server with a key: keys (class 6) and the clients' side (class 8) ---------------------------------
+
+KEY = "k3y-" + "x" * 28
+
+
+def rollout(*flags: str) -> object:
+    """``rallyrl rollout`` against the server: its exit status stands for the status, its stderr for the answer."""
+
+    async def send(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+        out = ROOT / f"rollout-{len(flags)}.jsonl"
+        rallyrl = shutil.which("rallyrl") or "rallyrl"
+        process = await asyncio.create_subprocess_exec(
+            rallyrl, "rollout", "--engine-url", url, "--task", "calc", "--num-prompts", "2", "-n", "1",
+            "--max-new-tokens", "8", "--no-progress", "--out", str(out), *flags,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(process.communicate(), 120)
+        return process.returncode, stderr.decode()
+
+    return send
+
+
+KEYED_ATTACKS: dict[str, Attack] = {
+    "no key": Attack(6, raw("POST", "/generate", orjson.dumps(NORMAL), {"Content-Type": "application/json"}), 401,
+                     ("API key",)),
+    "a wrong key of the same length": Attack(6, raw("POST", "/generate", orjson.dumps(NORMAL), {
+        "Content-Type": "application/json", "Authorization": "Bearer " + "y" * len(KEY)}), 401, ("API key",)),
+    "the key and more": Attack(6, raw("POST", "/flush_cache", b"{}", {
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}x"}), 401, ("API key",)),
+    "a rollout without the key exits 2 naming the refusal": Attack(8, rollout(), 2, ("HTTP 401", "engine.http.api_key")),
+    "a rollout with the key runs": Attack(8, rollout("--set", f"engine.http.api_key={KEY}"), 0),
+}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    ROOT.mkdir(parents=True, exist_ok=True)
+    logs = tmp_path_factory.mktemp("hostile-serve-keyed")
+    with serve_processes(EMBEDDED_MODEL, logs, 1, "--api-key", KEY) as (process,):
+        probe = HealthProbe(process.url, logs)  # /health needs no key
+        try:
+            yield process, probe
+        finally:
+            probe.close()
+
+
+@pytest.mark.parametrize("name", KEYED_ATTACKS)
+async def test_a_keyed_server_refuses_what_lacks_its_key_and_serves_on(keyed, name):
+    (process, probe), attack = keyed, KEYED_ATTACKS[name]
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def normal(session: aiohttp.ClientSession) -> list[int]:
+        status, text = await post(session, process.url + "/generate", NORMAL, headers=headers)
+        assert status == 200, text
+        return orjson.loads(text)["output_ids"]
+
+    async with aiohttp.ClientSession() as session:
+        reference = await normal(session)
+    outcome = await attack_until_fast(process.url, process.process.pid, probe, attack, normal)
+    check(outcome, attack, reference)
+
+
+def test_an_empty_key_is_refused_at_start():
+    made = subprocess.run([shutil.which("rallyrl") or "rallyrl", "serve", "--api-key", "", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 2 and "api_key is empty" in made.stderr, made.stderr

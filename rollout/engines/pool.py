@@ -78,8 +78,12 @@ async def detect_server(url: str, config: SGLangHTTPConfig | None = None) -> Ser
             return response.status
 
         async def attempt() -> ServerKind | None:
-            if await status("/get_model_info") == 200:
+            if (answer := await status("/get_model_info")) == 200:
                 return "sglang"
+            if answer in (401, 403):
+                fix = "the key given (engine.http.api_key) was refused" if config.api_key else (
+                    "give it with --set engine.http.api_key=KEY")
+                raise EngineError(f"{url} answered HTTP {answer} to GET /get_model_info: it wants an API key; {fix}")
             if await status("/version") == 200 and await status("/v1/models") == 200:
                 return "vllm"
             return None

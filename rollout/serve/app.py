@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 def _guard_reply(request: web.Request, status: int, message: str, code: str) -> web.Response:
-    return error_response(request, status, message)
+    """The guard's refusal in SGLang's shape: a body that is not JSON as FastAPI's validation answers it."""
+    return error_response(request, status, message, "schema" if code == "not_json" else "invalid")
 
 
 class EngineServer(ServerState):
