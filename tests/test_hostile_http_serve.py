@@ -181,6 +181,9 @@ ATTACKS: dict[str, Attack] = {
                                      400, ("top_logprobs_num",)),
     "5,000 prompts on /v1/completions": Attack(1, generate({"prompt": ["1+1="] * 5000}, "/v1/completions"), 400,
                                                ("max_prompts",)),
+    "a 2 MB tools list": Attack(1, generate({"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": f"t{i}", "description": "d" * 2000, "parameters": {}}} for i in range(1000)]},
+        "/v1/chat/completions"), 400, ("messages and tools",)),
     "100,000 chat messages": Attack(1, generate({"messages": CHAT * 100_000}, "/v1/chat/completions"), 400,
                                     ("max_prompts",)),
     "200 requests at once": Attack(1, flood(200), 200),
@@ -357,7 +360,8 @@ KEYED_ATTACKS: dict[str, Attack] = {
         "Content-Type": "application/json", "Authorization": "Bearer " + "y" * len(KEY)}), 401, ("API key",)),
     "the key and more": Attack(6, raw("POST", "/flush_cache", b"{}", {
         "Content-Type": "application/json", "Authorization": f"Bearer {KEY}x"}), 401, ("API key",)),
-    "a rollout without the key exits 2 naming the refusal": Attack(8, rollout(), 2, ("HTTP 401", "engine.http.api_key")),
+    "a rollout without the key exits 2 naming the refusal": Attack(8, rollout(), 2,
+                                                                   ("HTTP 401", "engine.http.api_key")),
     "a rollout with the key runs": Attack(8, rollout("--set", f"engine.http.api_key={KEY}"), 0),
 }
 

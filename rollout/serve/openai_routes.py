@@ -119,14 +119,12 @@ class OpenAIRoutes:
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         tools = tools if isinstance(tools, list) and tools else None
         check_depth(tools, "tools")
+        rendered = [template_message(m, i, server.config.tool_parser) for i, m in enumerate(messages)]
+        chars = sum(len(m["content"]) for m in rendered) + len(json.dumps(tools or []))
+        check_chars(server, chars, "messages and tools")  # before the template renders anything
         try:
-            chat = ChatTokenizer(server.tokenizer, tools)
-            parser_name = server.config.tool_parser
-            rendered = [template_message(m, i, parser_name) for i, m in enumerate(messages)]
-            chars = sum(len(m["content"]) for m in rendered) + len(json.dumps(tools or []))
-            check_chars(server, chars, "messages")
-            render = functools.partial(chat.prompt_ids, rendered)
-            prompt_ids = render() if chars < ENCODE_OFF_LOOP else await asyncio.to_thread(render)
+            build = functools.partial(_chat_prompt, server.tokenizer, tools, rendered)
+            chat, prompt_ids = build() if chars < ENCODE_OFF_LOOP else await asyncio.to_thread(build)
         except TemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
         # SGLang keeps special tokens in the text when tools are given or reasoning is parsed (the parsers read them)
@@ -325,6 +323,13 @@ class Reply:
                usage: bool = False) -> dict[str, Any]:  # fmt: skip
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
         return self._chunk(choice, usage)
+
+
+def _chat_prompt(tokenizer: Any, tools: list[Any] | None, messages: list[dict[str, Any]]
+                 ) -> tuple[ChatTokenizer, list[int]]:  # fmt: skip
+    """The chat tokenizer of ``tools`` and the prompt ids of ``messages`` (on a worker thread when long)."""
+    chat = ChatTokenizer(tokenizer, tools)
+    return chat, chat.prompt_ids(messages)
 
 
 # ----- writing OpenAI answers ---------------------------------------------------------------------------
