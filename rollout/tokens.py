@@ -65,6 +65,16 @@ class ConsistencyReport:
     diff: str = ""
 
 
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """At most how many characters one token decodes to (its vocabulary's longest entry: byte-level and
+    SentencePiece entries spell each byte or character with one), or None when it cannot be read. A text
+    longer than a context times this cannot fit that context."""
+    try:
+        return max(map(len, tokenizer.get_vocab()), default=None)
+    except Exception:
+        return None
+
+
 _PROBE_END = 8192
 """Characters of each end of the rendered probe conversation the backend is checked on (``same_backend``)."""
 

@@ -50,7 +50,6 @@ from rollout.gateway.limits import (
     CallInput,
     call_input,
     check_session_id,
-    longest_token_chars,
     read_json,
     session_fields,
 )
@@ -61,7 +60,7 @@ from rollout.loop import default_reward
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.serve.guard import HttpGuard
 from rollout.serve.http import BadRequest, TooLarge, TooManyJSONValues, json_response
-from rollout.tokens import ChatTokenizer
+from rollout.tokens import ChatTokenizer, longest_token_chars
 
 __all__ = ["Gateway", "write_sessions"]
 
@@ -192,7 +191,7 @@ class Gateway(SessionLifecycle):
     async def create_session(self, request: web.Request) -> web.Response:
         limit = self.config.max_metadata_bytes + OPEN_BODY_SLACK
         try:
-            body = await read_json(request, self.config, limit=limit)
+            body = await read_json(request, limit=limit)
         except TooManyJSONValues:
             raise
         except TooLarge:
@@ -228,7 +227,7 @@ class Gateway(SessionLifecycle):
 
     async def post_reward(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        reward = _reward((await read_json(request, self.config, required=True)).get("reward"))
+        reward = _reward((await read_json(request, required=True)).get("reward"))
         if reward is None:
             raise BadRequest("reward: required, a finite number")
         session.request.rewards.posted = reward
@@ -236,7 +235,7 @@ class Gateway(SessionLifecycle):
 
     async def post_finish(self, request: web.Request) -> web.Response:
         session = self._session(request)
-        body = await read_json(request, self.config)
+        body = await read_json(request)
         error = body.get("error")
         if error is not None and not isinstance(error, str):
             raise BadRequest("error: expected a string (why the agent failed)")
@@ -261,7 +260,7 @@ class Gateway(SessionLifecycle):
         config = self.config
         limit = min(config.max_body_bytes, config.max_history_bytes + config.max_tools_bytes + CALL_BODY_SLACK)
         try:
-            return await read_json(request, config, required=True, limit=limit)
+            return await read_json(request, required=True, limit=limit)
         except TooManyJSONValues:
             raise
         except TooLarge:

@@ -27,8 +27,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 """Seeds an engine takes (a 64-bit generator seed)."""
 
 
-async def read_json(request: web.Request, config: GatewayConfig, required: bool = False,
-                    limit: int | None = None) -> dict[str, Any]:  # fmt: skip
+async def read_json(request: web.Request, required: bool = False, limit: int | None = None) -> dict[str, Any]:
     """The JSON object of a request body ({} for none unless ``required``) of at most ``limit`` bytes
     (default ``max_body_mb``) and ``max_json_items`` values (counted by the guard before parsing): a
     longer one is a ``TooLarge``, 413 (``rollout.serve.http.json_body``)."""
@@ -186,12 +185,3 @@ def string_chars(value: Any) -> int:
         elif isinstance(item, list):
             stack.extend(item)
     return total
-
-
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """At most how many characters one token decodes to (its vocabulary's longest entry: byte-level and
-    SentencePiece entries spell each byte or character with one), or None when it cannot be read."""
-    try:
-        return max(map(len, tokenizer.get_vocab()), default=None)
-    except Exception:
-        return None

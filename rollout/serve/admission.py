@@ -72,10 +72,6 @@ def text_limit(server: ServerState) -> int:
     return limit
 
 
-def check_text(server: ServerState, text: str, name: str) -> None:
-    check_chars(server, len(text), name)
-
-
 def check_chars(server: ServerState, chars: int, name: str) -> None:
     """A 400 when ``chars`` characters of prompt text are over ``text_limit``."""
     limit = text_limit(server)
@@ -88,17 +84,22 @@ def check_chars(server: ServerState, chars: int, name: str) -> None:
 async def encode_text(server: ServerState, text: str, name: str) -> list[int]:
     """The token ids of a text prompt, checked against ``text_limit`` first; long texts are tokenized
     on a worker thread, so that ``/health`` keeps answering."""
-    check_text(server, text, name)
+    check_chars(server, len(text), name)
     if len(text) < ENCODE_OFF_LOOP:
         return server.encode(text)
     return await asyncio.to_thread(server.encode, text)
 
 
-def check_prompt_ids(server: ServerState, ids: list[int], name: str) -> None:
-    """A prompt of token ids: shorter than the context (before its ids are read one by one), in the vocabulary."""
+def check_prompt_length(server: ServerState, length: int, name: str) -> None:
+    """A prompt of ``length`` tokens is shorter than the context (checked before its ids are read one by one)."""
     context = server.context_length
-    if context is not None and len(ids) >= context:
-        raise BadRequest(f"{name}: the prompt has {len(ids)} tokens, the context holds {context}")
+    if context is not None and length >= context:
+        raise BadRequest(f"{name}: the prompt has {length} tokens, the context holds {context}")
+
+
+def check_prompt_ids(server: ServerState, ids: list[int], name: str) -> None:
+    """A prompt of token ids: shorter than the context, in the vocabulary."""
+    check_prompt_length(server, len(ids), name)
     server.check_vocabulary(ids, name)
 
 

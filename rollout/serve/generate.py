@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.engines.base import Generation, PartialGeneration, SamplingParams
 from rollout.engines.sglang_protocol import OutputOptions, finish_reason_payload, sampling_from_payload
-from rollout.serve.admission import check_count, check_prompt_ids, check_samples, check_stops, check_text, encode_text
+from rollout.serve.admission import (
+    check_chars,
+    check_count,
+    check_prompt_length,
+    check_samples,
+    check_stops,
+    encode_text,
+)
 from rollout.serve.generation import GenerateItem
 from rollout.serve.http import BadRequest
 
@@ -88,16 +95,15 @@ async def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list
         batched = isinstance(prompts[0], list)
         prompts = prompts if batched else [prompts]
         check_count("input_ids", len(prompts), limits.max_prompts, "max_prompts")
-        context = server.context_length
         for i, ids in enumerate(prompts):
             name = f"input_ids[{i}]" if batched else "input_ids"
-            if isinstance(ids, list) and context is not None and len(ids) >= context:  # before reading each id
-                raise BadRequest(f"{name}: the prompt has {len(ids)} tokens, the context holds {context}")
+            if isinstance(ids, list):
+                check_prompt_length(server, len(ids), name)
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise BadRequest(f"{name}: expected a list of token ids", "schema")
             if not ids:
                 raise BadRequest(f"{name}: an empty prompt (no tokens)")
-            check_prompt_ids(server, ids, name)
+            server.check_vocabulary(ids, name)
         return prompts, batched
     texts = body.get("text")
     if texts is None:
@@ -109,8 +115,8 @@ async def _prompts(server: ServerState, body: dict[str, Any]) -> tuple[list[list
     check_count("text", len(texts), limits.max_prompts, "max_prompts")
     if not all(isinstance(t, str) for t in texts):
         raise BadRequest("text: expected a string or a list of strings", "schema")
-    for i, text in enumerate(texts):
-        check_text(server, text, f"text[{i}]" if batched else "text")
+    for i, text in enumerate(texts):  # every text before any is tokenized
+        check_chars(server, len(text), f"text[{i}]" if batched else "text")
     prompts = [await encode_text(server, t, "text") for t in texts]
     if not all(prompts):
         raise BadRequest("text: an empty prompt (no tokens)")

@@ -19,6 +19,7 @@ from rollout.serve.admission import PendingCount
 from rollout.serve.generation import GenerateItem, eos_token_ids, generate_chunks
 from rollout.serve.http import BadRequest, model_config
 from rollout.serve.weight_files import load_weights, weight_roots
+from rollout.tokens import longest_token_chars
 
 
 class ServerState:
@@ -52,7 +53,7 @@ class ServerState:
         self.counters = {"requests": 0, "generated_tokens": 0, "aborted": 0}
         self.pending = PendingCount(config.limits.max_pending)
         """Generations admitted and not answered yet, server-wide (``limits.max_pending``)."""
-        self.longest_token = max((len(t) for t in _vocabulary(tokenizer)), default=0)
+        self.longest_token = longest_token_chars(tokenizer) or 0
         """Characters of the vocabulary's longest token: a text longer than the context times this cannot fit."""
         self.weight_roots = weight_roots(config.weights_dirs, config.model)
         """Where ``/update_weights_from_disk`` may read (``weight_files.py``)."""
@@ -239,13 +240,6 @@ class ServerState:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-
-
-def _vocabulary(tokenizer: Any) -> list[str]:
-    try:
-        return list(tokenizer.get_vocab())
-    except (AttributeError, NotImplementedError, TypeError):
-        return []
 
 
 def _version_number(requested: Any, current: int | None) -> int:
