@@ -183,7 +183,16 @@ TASKS: dict[str, Callable[[int, int], list[Record]]] = {
 
 
 def make_task(name: str, num: int, seed: int = 0) -> list[Record]:
-    """``num`` records of the synthetic task ``name``."""
+    """``num`` records of the task ``name``: a synthetic one, ``reasoning_gym:NAME[,NAME2...]``
+    (``data/reasoning_gym.py``) or a step environment ``family:id`` (``data/env_tasks.py``)."""
+    from data.env_tasks import is_env_task, make_env_records
+
+    if name.startswith(("reasoning_gym:", "reasoning-gym:")):
+        from data.reasoning_gym import make_reasoning_gym_records
+
+        return make_reasoning_gym_records(name.partition(":")[2], num, seed)
+    if is_env_task(name):
+        return make_env_records(name, num, seed)
     if name not in TASKS:
         raise ValueError(f"unknown synthetic task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name](num, seed)

@@ -118,13 +118,24 @@ def tools_chat(tools: dict[str, BaseTool], tokenizer: Any) -> ChatTokenizer:
     return ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
 
 
-def setup_interactions(path: str | Path | None) -> dict[str, Any]:
-    """The interactions of an interaction config (verl's ``interaction:`` list), by name; none without one."""
-    if path is None:
-        return {}
-    from rollout.users.interactions import load_interactions
+def setup_interactions(path: str | Path | None, task: str | None = None) -> dict[str, Any]:
+    """The interactions of an interaction config (verl's ``interaction:`` list), by name; none without one.
+    A step-environment task (``textarena:GuessTheNumber-v0``) adds the environment interaction its records name."""
+    from data.env_tasks import ENV_INTERACTION, is_env_task
 
-    return load_interactions(path)
+    interactions: dict[str, Any] = {}
+    if path is not None:
+        from rollout.users.interactions import load_interactions
+
+        interactions = load_interactions(path)
+    if task is not None and is_env_task(task) and ENV_INTERACTION not in interactions:
+        from rollout.envs.interaction import EnvironmentInteraction
+
+        try:
+            interactions[ENV_INTERACTION] = EnvironmentInteraction({"name": ENV_INTERACTION, "env": task})
+        except (ImportError, ValueError) as exc:  # a missing extra names its pip command
+            raise SetupError(f"task {task}: {exc}") from None
+    return interactions
 
 
 async def enter_interactions(stack: contextlib.AsyncExitStack, interactions: dict[str, Any]) -> None:
@@ -241,7 +252,7 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     closed together."""
     model_dir = resolve_model(config.model)
     tools = load_tool_config(config.tools)  # what can be wrong with the user's files fails first, in a second
-    interactions = setup_interactions(config.interactions)
+    interactions = setup_interactions(config.interactions, getattr(config, "task", None))
     if config.agent:
         from rollout.gateway.agents import load_agent
 

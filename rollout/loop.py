@@ -75,7 +75,9 @@ async def run_request(
         for name, tool in tools.items():
             create_kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
             try:
-                instance_id = await within(tool.create(None, **create_kwargs), config.tool_reward_timeout_s)
+                # the request's id, as verl passes it: tools of one environment share its instance by it
+                instance_id = await within(tool.create(request.request_id, **create_kwargs),
+                                           config.tool_reward_timeout_s)  # fmt: skip
             except Exception as exc:
                 raise ToolCreateError(f"create of tool {name} failed: {describe_error(exc)}") from exc
             created.append((tool, instance_id))
@@ -89,6 +91,7 @@ async def run_request(
             except Exception as exc:
                 what = f"start_interaction of {interaction_name(user)}"
                 raise ToolCreateError(f"{what} failed: {describe_error(exc)}") from exc
+            await _start_messages(request, user, config)
         prompt_text, request.prompt_ids = chat.prompt(request.messages)
         transcript = chat.transcript(prompt_text, request.prompt_ids)
         request.transition(RequestState.RUNNING)
@@ -303,6 +306,25 @@ async def _user_turn(request: AsyncRolloutRequest, user: UserTurns, config: Roll
     )
     request.rewards.turn_scores.append(score)
     return None if should_terminate else text
+
+
+async def _start_messages(request: AsyncRolloutRequest, user: UserTurns, config: RolloutConfig) -> None:
+    """An interaction that opens the conversation (a step environment's first observation, from
+    ``start_messages``) gives the messages the prompt is rendered from; a failure ends this request."""
+    start = getattr(user.interaction, "start_messages", None)
+    if start is None:
+        return
+    try:
+        messages = await within(start(user.instance_id, [dict(m) for m in request.messages]),
+                                config.interaction_timeout_s)  # fmt: skip
+    except TimeoutError:
+        raise InteractionError(f"{interaction_name(user)} timed out after {config.interaction_timeout_s:g} s "
+                               "opening the conversation") from None  # fmt: skip
+    except Exception as exc:
+        raise InteractionError(f"{interaction_name(user)} failed opening the conversation: "
+                               f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+    if messages is not None:
+        request.messages = [{"role": m["role"], "content": valid_text(str(m["content"]))} for m in messages]
 
 
 def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:

@@ -1,0 +1,60 @@
+"""A user's own environment class, by import path: ``env: my_pkg.envs:MyEnv``.
+
+The class is made with the environment's kwargs (``MyEnv(**env_kwargs)``). Its ``reset`` is called
+with ``seed=`` when it takes one, and may return the first observation, ``(obs, info)`` or chat
+messages; its ``step(action)`` may return any shape ``as_step`` reads (gymnasium's tuple, SkyRL-Gym's
+mapping, a ``Step``); ``close`` is called when it has one. Any of them may be ``async``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from rollout.envs.step import Step, as_step
+
+
+class ClassBinding:
+    """An environment class with ``reset`` / ``step`` (and optional ``close``), by import path."""
+
+    def __init__(self, env_id: str, **env_kwargs: Any):
+        from tools.loading import import_class
+
+        self.spec = env_id
+        cls = import_class(env_id)
+        if not callable(getattr(cls, "step", None)) or not callable(getattr(cls, "reset", None)):
+            raise TypeError(f"environment {env_id}: a class with reset and step methods is needed")
+        self.env = cls(**env_kwargs)
+        self._async = any(inspect.iscoroutinefunction(getattr(self.env, m, None)) for m in ("reset", "step"))
+
+    @property
+    def is_async(self) -> bool:
+        return self._async
+
+    def _reset_kwargs(self, seed: int | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        parameters = inspect.signature(self.env.reset).parameters
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        kwargs: dict[str, Any] = {}
+        if "seed" in parameters or accepts_any:
+            kwargs["seed"] = seed
+        if "messages" in parameters:
+            kwargs["messages"] = messages
+        return kwargs
+
+    def reset(self, seed: int | None, messages: list[dict[str, Any]]) -> Any:
+        return self.env.reset(**self._reset_kwargs(seed, messages))
+
+    def step(self, action: str) -> Any:
+        return self.env.step(action)
+
+    def close(self) -> Any:
+        close = getattr(self.env, "close", None)
+        return close() if callable(close) else None
+
+
+async def maybe_await(value: Any) -> Any:
+    """``await value`` when it is awaitable, else the value."""
+    return await value if inspect.isawaitable(value) else value
+
+
+__all__ = ["ClassBinding", "Step", "as_step", "maybe_await"]
