@@ -15,12 +15,15 @@ tools:
 ```
 
 A class_name names one of our ``BaseTool`` subclasses, a verl-style class (``tools.verl_compat``)
-or a function (``tools.function_tool``). A module that is not installed is also looked for in
-the current folder and the config file's folder.
+or a function (``tools.function_tool``). A class with a classmethod ``build_tools(entry, where,
+source_dir)`` makes the entry's tools itself, any number of them (``tools.environment_class``: one
+per method of an environment class). A module that is not installed is also looked for in the
+current folder and the config file's folder.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,8 @@ def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
     schema_key = "schema" if "schema" in entry else "tool_schema"
     schema = _schema(entry.get(schema_key), f"{where}.{schema_key}")
     try:
+        if isinstance(target, type) and isinstance(inspect.getattr_static(target, "build_tools", None), classmethod):
+            return _built_tools(target.build_tools(entry, where, source_dir), where, class_name)
         if isinstance(target, type) and issubclass(target, BaseTool):
             tool = target(config=config, schema=schema)
         elif is_verl_style(target):
@@ -107,6 +112,15 @@ def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
     except Exception as exc:
         raise ToolConfigError(f"{where}: {class_name} could not be created: {_one_line(exc)}") from None
     return [tool]
+
+
+def _built_tools(tools: Any, where: str, class_name: str) -> list[BaseTool]:
+    """What a class's ``build_tools`` gave: a list of BaseTools, each parameters schema compiled."""
+    if not isinstance(tools, list) or not all(isinstance(tool, BaseTool) for tool in tools):
+        raise ToolConfigError(f"{where}: {class_name}.build_tools must return a list of tools.base.BaseTool")
+    for tool in tools:
+        tool.check_arguments({})  # compiles the parameters schema: a bad one fails here
+    return tools
 
 
 def _schema(raw: Any, where: str) -> dict[str, Any] | None:
