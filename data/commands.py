@@ -1,4 +1,5 @@
-"""``rallyrl data gsm8k|math`` (official files -> records) and ``rallyrl new-model``."""
+"""``rallyrl data gsm8k|math`` (official files -> records), ``rallyrl data prep`` (a task's records -> a
+file) and ``rallyrl new-model``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import typer
 from data.console import console
 from data.console import fail as _fail
 
-data_app = typer.Typer(help="Prepare datasets: official GSM8K and MATH files -> rallyrl records.",
+data_app = typer.Typer(help="Prepare datasets: official GSM8K and MATH files, or a task's prompts -> rallyrl records.",
                        no_args_is_help=True)  # fmt: skip
 _DATA_INPUT_HELP = "Source file (.jsonl, .json or .parquet) or a directory of .json/.jsonl files."
 _DATA_OUTPUT_HELP = "Records file to write (.jsonl, .json or .parquet), atomically."
@@ -55,6 +56,29 @@ def data_math(
         raise _fail(str(exc)) from None
     console.print(result.summary(), highlight=False)
 
+
+@data_app.command("prep")
+def data_prep(
+    task: str = typer.Argument(..., help='A task: calc, "reasoning_gym:basic_arithmetic=2,chain_sum", textarena:...'),
+    output: Path = typer.Option(..., "--output", "--out", "-o", help=_DATA_OUTPUT_HELP),
+    num: int = typer.Option(64, help="Records to write."),
+    seed: int = typer.Option(0, help="Seed of the task's prompts (the same as --seed of rollout, train and eval)."),
+    layout: str = typer.Option("native", help='"native" (rallyrl) or "verl" (reward_model, extra_info).'),
+) -> None:
+    """Write a task's records to a file, which --data reads back as the same prompts with the same rewards."""
+    from data.schema import RecordError, save_records
+    from data.synthetic import make_task
+
+    if layout not in ("native", "verl"):
+        raise _fail(f"--layout must be native or verl, got {layout!r}")
+    if num < 1:
+        raise _fail(f"--num must be at least 1, got {num}")
+    try:
+        records = make_task(task, num, seed)
+        save_records(records, output, layout=layout)  # type: ignore[arg-type]
+    except (RecordError, ValueError) as exc:
+        raise _fail(str(exc) if isinstance(exc, RecordError) else f"task: {exc}") from None
+    console.print(f"wrote {len(records)} records of {task} (seed {seed}) to {output}", highlight=False)
 
 
 def new_model(

@@ -44,9 +44,13 @@ REWARDS: dict[str, RewardFn] = {}
 """Reward functions by name, as specs name them. Add one with ``@register_reward(name)``."""
 DEFAULT_KEY = "default"
 """The spec entry for records whose data_source has none of its own."""
+ANSWER_REWARD_KEY = "answer_reward"
+"""The ``extra`` key of a record whose answer its own reward grades instead of math-verify (``reasoning_gym``)."""
 
 _NAME = r"[A-Za-z_][\w.\-]*"
 _TERM_RE = re.compile(rf"\s*(?:([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*)?({_NAME})\s*")
+_ANSWER_TAGS_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+"""reasoning-gym's answer format (its ``extract_answer``)."""
 _FINAL_NUMBER_RE = re.compile(r"(?<![\w^.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?[\s.!*$)\]]*\Z")
 
 
@@ -82,32 +86,62 @@ def question_text(request: AsyncRolloutRequest) -> str:
 
 
 def has_final_answer(text: str) -> bool:
-    """A ``\\boxed{}`` or ``####`` answer, or a plain number ending the text, and no tool call in it."""
+    """A ``\\boxed{}``, ``####`` or ``<answer>`` answer, or a plain number ending the text, and no tool call in it."""
     if "<tool_call>" in text:
         return False
-    return extract_answer(text) is not None or _FINAL_NUMBER_RE.search(text.strip()) is not None
+    if extract_answer(text) is not None or _ANSWER_TAGS_RE.search(text) is not None:
+        return True
+    return _FINAL_NUMBER_RE.search(text.strip()) is not None
 
 
 # ----- the built-in rewards --------------------------------------------------------------------------
 
 
+def grade_answer(request: AsyncRolloutRequest) -> float | None:
+    """The final answer's grade (``rewards.answer``): by the reward the record names in
+    ``extra["answer_reward"]`` (its task's own checker, e.g. reasoning-gym's), else against
+    ``ground_truth`` with math-verify; None when the record has neither. May be slow: call it off the loop."""
+    name = request.extra.get(ANSWER_REWARD_KEY)
+    if name is not None:
+        grade = resolve_reward(str(name))(request)
+        if inspect.isawaitable(grade):
+            grade.close()  # type: ignore[union-attr]
+            raise TypeError(f"the answer reward {name!r} (extra.{ANSWER_REWARD_KEY}) is async; it must answer at once")
+        return None if grade is None else float(grade)
+    if request.ground_truth is None:
+        return None
+    return score_answer(final_answer_text(request), request.ground_truth)
+
+
 @register_reward("math")
 def math_reward(request: AsyncRolloutRequest) -> float:
-    """1.0 when the final answer equals ``ground_truth`` (math-verify, see data/rewards.py), else 0.0."""
+    """1.0 when the final answer equals ``ground_truth`` (math-verify, see data/rewards.py), else 0.0;
+    for a record that names its own answer reward (``extra["answer_reward"]``), that reward's grade."""
+    if request.rewards.answer is not None:  # graded by the loop already, off the event loop
+        return request.rewards.answer
     if request.ground_truth is None:
         raise ValueError(
             f"the math reward needs a ground_truth, and request {request.request_id} "
             f"(data_source {request.data_source!r}) has none: give its records one or choose another reward"
         )
-    if request.rewards.answer is not None:  # graded by the loop already, off the event loop
-        return request.rewards.answer
     return score_answer(final_answer_text(request), request.ground_truth)
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(request: AsyncRolloutRequest) -> float:
+    """reasoning-gym's own ``score_answer`` of the answer in ``<answer>`` tags (else ``\\boxed{}``), in
+    [0, 1], for the item the record's ``extra["reasoning_gym"]`` re-creates (data/reasoning_gym.py)."""
+    if request.rewards.answer is not None and request.extra.get(ANSWER_REWARD_KEY) == "reasoning_gym":
+        return request.rewards.answer  # graded by the loop already, off the event loop
+    from data.reasoning_gym import score_completion
+
+    return score_completion(request.extra.get("reasoning_gym"), final_answer_text(request))
 
 
 @register_reward("format")
 def format_reward(request: AsyncRolloutRequest) -> float:
     """1.0 when every tool call parsed (valid JSON with a name and an arguments object) and the
-    last assistant message gives a final answer (``\\boxed{}``, ``####`` or a plain final number)."""
+    last assistant message gives a final answer (``\\boxed{}``, ``####``, ``<answer>`` or a plain final number)."""
     parsed = all(call.arguments is not None for call in request.tool_calls)  # None only when unreadable
     return 1.0 if parsed and has_final_answer(final_answer_text(request)) else 0.0
 

@@ -9,8 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from data.reward_fns import RewardFn, final_answer_text
-from data.rewards import score_answer
+from data.reward_fns import ANSWER_REWARD_KEY, RewardFn, grade_answer
 from rollout.config import RolloutConfig
 from rollout.deadlines import within
 from rollout.history import check_history
@@ -31,8 +30,8 @@ class UserTurns:
 
 
 def default_reward(request: AsyncRolloutRequest) -> float:
-    """The graded final answer when the record has a ground truth, else the interaction's score
-    when there was one, else the tools' rewards."""
+    """The graded final answer when the record has a ground truth or its own answer reward (reasoning-gym's
+    records), else the interaction's score when there was one, else the tools' rewards."""
     if request.rewards.answer is not None:
         return request.rewards.answer
     if request.rewards.interaction is not None:
@@ -71,9 +70,12 @@ async def score_request(
             request.rewards.interaction = score
         except Exception as exc:
             note_error(request, f"calculate_score of {interaction_name(user)} failed: {describe_error(exc)}")
-    if request.ground_truth is not None:
-        # math-verify's symbolic fallback can take a while: keep it off the event loop
-        request.rewards.answer = await asyncio.to_thread(score_answer, final_answer_text(request), request.ground_truth)
+    if request.ground_truth is not None or ANSWER_REWARD_KEY in request.extra:
+        try:  # math-verify's symbolic fallback (or a task's own checker) can take a while: off the event loop
+            request.rewards.answer = await asyncio.to_thread(grade_answer, request)
+        except Exception as exc:  # the record's checker failed: no grade, and no reward to train on
+            request.rewards.reward_error = f"grading the answer failed: {describe_error(exc)}"
+            note_error(request, request.rewards.reward_error)
     try:
         result = reward_fn(request)
         if inspect.isawaitable(result):
