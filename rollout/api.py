@@ -96,19 +96,25 @@ def load_prompts(config: PromptsConfig, default_count: int = 64) -> list[Record]
         raise SetupError(f"task: {exc}") from None
 
 
-def setup_tools(tools_path: str | Path | None, tokenizer: Any) -> tuple[dict[str, BaseTool], ChatTokenizer]:
+def setup_tools(
+    tools_path: str | Path | None, tokenizer: Any, task: str | None = None
+) -> tuple[dict[str, BaseTool], ChatTokenizer]:
     """The tools of a tool config (default: the calculator) and the chat tokenizer that renders
     their schemas into every prompt."""
-    tools = load_tool_config(tools_path)
+    tools = load_tool_config(tools_path, task)
     return tools, tools_chat(tools, tokenizer)
 
 
-def load_tool_config(tools_path: str | Path | None) -> dict[str, BaseTool]:
-    """The tools of a tool config, by name (default: the calculator). Needs no tokenizer, so a bad
-    tool config fails before transformers and torch load."""
+def load_tool_config(tools_path: str | Path | None, task: str | None = None) -> dict[str, BaseTool]:
+    """The tools of a tool config, by name (default: the calculator; none for a step-environment task,
+    whose moves go to the environment). Needs no tokenizer, so a bad tool config fails before transformers
+    and torch load."""
+    from data.env_tasks import is_env_task
     from tools.registry import DEFAULT_TOOLS, build_tools, load_tools
 
-    return load_tools(tools_path) if tools_path else build_tools(DEFAULT_TOOLS)
+    if tools_path:
+        return load_tools(tools_path)
+    return {} if task is not None and is_env_task(task) else build_tools(DEFAULT_TOOLS)
 
 
 def tools_chat(tools: dict[str, BaseTool], tokenizer: Any) -> ChatTokenizer:
@@ -251,8 +257,9 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     """Model directory, tokenizer, tools, judge, reward and engine of one command, opened and
     closed together."""
     model_dir = resolve_model(config.model)
-    tools = load_tool_config(config.tools)  # what can be wrong with the user's files fails first, in a second
-    interactions = setup_interactions(config.interactions, getattr(config, "task", None))
+    task = getattr(config, "task", None)
+    tools = load_tool_config(config.tools, task)  # what can be wrong with the user's files fails first, in a second
+    interactions = setup_interactions(config.interactions, task)
     if config.agent:
         from rollout.gateway.agents import load_agent
 

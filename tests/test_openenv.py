@@ -50,9 +50,10 @@ def chat(model_dir) -> ChatTokenizer:
     return ChatTokenizer(load_tokenizer(model_dir), [])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def counter_url() -> Any:
-    """The counter game's server, started once for the module (as the first episode would start it)."""
+    """The counter game's server, as the first episode would start it (again after an interaction's exit
+    stopped it)."""
     yield local_server(COUNTER, "env").url
     OpenEnvBinding.shutdown()
 
@@ -87,10 +88,16 @@ def records(spec: str, num: int, name: str = "env", **env_kwargs: Any) -> list[R
 
 
 async def play(
-    records: list[Record], interactions: dict[str, EnvironmentInteraction], model_dir: Any, chat: ChatTokenizer
-) -> tuple[list[AsyncRolloutRequest], dict[str, list[int]]]:
+    records: list[Record],
+    interactions: dict[str, EnvironmentInteraction],
+    model_dir: Any,
+    chat: ChatTokenizer,
+    count: tuple[str, int] | None = None,
+) -> tuple[list[AsyncRolloutRequest], dict[str, list[int]], dict[str, int]]:
     """Every record as one request of a batch (RolloutRunner), with the embedded model; the interactions
-    entered first (their start checks) and left after."""
+    entered first (their start checks) and left after (which stops the servers they started). ``count``:
+    ``(url, closed_at_least)`` of a server whose session counts are read before that."""
+    counts: dict[str, int] = {}
     async with LocalEngine.from_pretrained(model_dir) as local:
         for interaction in interactions.values():
             await interaction.__aenter__()  # its start check: one episode reset and closed
@@ -98,10 +105,12 @@ async def play(
             recorder = Recorder(local)
             runner = RolloutRunner(recorder, chat, {}, CONFIG, progress=False, interactions=interactions)
             result = await runner.run(records)
+            if count is not None:
+                counts = await asyncio.to_thread(server_counts, *count)
         finally:
             for interaction in interactions.values():
                 await interaction.__aexit__(None, None, None)
-    return result.requests, recorder.emitted
+    return result.requests, recorder.emitted, counts
 
 
 def server_counts(url: str, closed_at_least: int) -> dict[str, int]:
@@ -131,7 +140,8 @@ def check_conversation(request: AsyncRolloutRequest, emitted: list[int], chat: C
 async def test_a_typed_openenv_environment_is_played_turn_by_turn(counter_url, model_dir, chat):
     before = server_counts(counter_url, 0)
     interaction = EnvironmentInteraction({"name": "env", "env": f"openenv:{COUNTER}"})
-    requests, emitted = await play(records(f"openenv:{COUNTER}", 3), {"env": interaction}, model_dir, chat)
+    requests, emitted, after = await play(records(f"openenv:{COUNTER}", 3), {"env": interaction}, model_dir, chat,
+                                          count=(counter_url, before["closed"] + 4))  # fmt: skip
 
     for seed, request in enumerate(requests):
         check_conversation(request, emitted[request.request_id], chat)
@@ -144,14 +154,15 @@ async def test_a_typed_openenv_environment_is_played_turn_by_turn(counter_url, m
         assert last.terminated and last.metadata["info"] == {"move": 3}
         assert request.rewards.final == request.rewards.interaction == pytest.approx(0.6)
     assert interaction.stats.opened == interaction.stats.closed == 4  # three episodes and the start check's
-    after = server_counts(counter_url, before["closed"] + 4)
+    with pytest.raises(httpx.ConnectError):  # the interaction's exit stopped the server it started
+        httpx.get(f"{counter_url}/health", timeout=5.0, trust_env=False)
     assert after["opened"] - before["opened"] == after["closed"] - before["closed"] == 4  # sessions, server side
 
 
 async def test_a_running_openenv_server_is_reached_by_its_url(counter_url, model_dir, chat):
     spec = f"openenv:{counter_url}"
     interaction = EnvironmentInteraction({"name": "env", "env": spec, "env_kwargs": {"observation_field": "prompt"}})
-    requests, emitted = await play(records(spec, 1, action_field="message"), {"env": interaction}, model_dir, chat)
+    requests, emitted, _ = await play(records(spec, 1, action_field="message"), {"env": interaction}, model_dir, chat)
     check_conversation(requests[0], emitted[requests[0].request_id], chat)
     assert requests[0].rewards.interaction == pytest.approx(0.6)
     assert interaction.stats.opened == interaction.stats.closed == 2
@@ -173,7 +184,7 @@ async def test_an_openenv_server_that_dies_mid_episode_ends_only_its_requests(co
     counter = EnvironmentInteraction({"name": "env", "env": f"openenv:{COUNTER}"})
     batch = records(f"openenv:{COUNTER}", 3) + records(f"openenv:{CRASH}", 2, name="crash")
     dead_url = (await asyncio.to_thread(local_server, CRASH, "env")).url
-    requests, _ = await play(batch, {"env": counter, "crash": crash}, model_dir, chat)
+    requests, _, _ = await play(batch, {"env": counter, "crash": crash}, model_dir, chat)
 
     assert [r.finish_reason for r in requests] == [FinishReason.STOP] * 3 + [FinishReason.ERROR] * 2
     assert all(r.rewards.interaction == pytest.approx(0.6) for r in requests[:3])  # the batch went on

@@ -107,7 +107,7 @@ class GRPOTrainer:
         self.policy = Policy(config, self.accelerator, load_lm(self.model_dir), self.tokenizer.pad_token_id or 0,
                              reference)  # fmt: skip
         self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
-        self.tools, self.chat = setup_tools(config.tools, self.tokenizer)
+        self.tools, self.chat = setup_tools(config.tools, self.tokenizer, config.task)
         self.interactions = setup_interactions(config.interactions, config.task)
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)

@@ -11,6 +11,7 @@ clear error when a family's extra is not installed.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ class MissingExtraError(ImportError):
 
 def require(module: str, extra: str) -> Any:
     """Import ``module``, or a MissingExtraError that says ``pip install 'rallyrl[extra]'``."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -48,6 +51,8 @@ def require(module: str, extra: str) -> Any:
             f"the {extra} environments need the package {module!r}, which is not installed: "
             f"pip install 'rallyrl[{extra}]'"
         ) from None
+    finally:  # gem calls logging.basicConfig(level=INFO) on import: the process's logging is not its to set
+        root.handlers[:], root.level = handlers, level
 
 
 def split_spec(spec: str) -> tuple[str | None, str]:

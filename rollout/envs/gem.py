@@ -14,7 +14,7 @@ put around the observation as GEM's own observation wrapper does for the newest 
 history, so none of GEM's history-concatenating wrappers is applied.
 
 GEM seeds Python's and NumPy's global generators at reset; each episode runs with its own copy of them
-(``rollout.envs.textarena:EpisodeRandom``), so a seed gives the same game however many run at once.
+(``rollout/envs/episode.py``), so a seed gives the same game however many run at once.
 Offline: the word games (Hangman, Wordle, WordSearch) need NLTK's ``words``: ``nltk.download`` only looks on
 disk here, and missing data is an EnvError naming it, at the rollout's start check. The ``math:``, ``qa:``
 and ``code:`` environments load a Hugging Face dataset when made: where it is not cached, the start check
@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.envs.bindings import require
+from rollout.envs.episode import EpisodeRandom, inside
 from rollout.envs.step import EnvError, Step, as_step
-from rollout.envs.textarena import EpisodeRandom, inside
 
 
 class GEMBinding:

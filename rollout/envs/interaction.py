@@ -85,6 +85,7 @@ class EnvironmentInteraction(BaseInteraction):
             binding_class(str(self.env))  # an unknown family or a missing extra fails here, at load
         self.stats = EnvStats()
         self._pool: ThreadPoolExecutor | None = None
+        self._binding_classes: set[type] = set()  # their shutdown() stops what they started (OpenEnv's servers)
 
     # ----- startup and shutdown -------------------------------------------------------------------
 
@@ -100,6 +101,10 @@ class EnvironmentInteraction(BaseInteraction):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for cls in self._binding_classes:
+            shutdown = getattr(cls, "shutdown", None)
+            if callable(shutdown):
+                await asyncio.to_thread(shutdown)  # blocking: stops server processes
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -114,6 +119,7 @@ class EnvironmentInteraction(BaseInteraction):
         seed = kwargs.get("seed")
         episode = _Episode(spec, None if seed is None else int(seed))
         cls, env_id = binding_class(spec)
+        self._binding_classes.add(cls)
         instance_id = instance_id or uuid.uuid4().hex
         self._instances[instance_id] = {"episode": episode}
         try:

@@ -28,9 +28,8 @@ Offline: the word games (Wordle, Hangman, WordSearch, ...) call ``nltk.download`
 only looks on disk (no network), and a corpus that is missing is an EnvError that names it and the command
 that installs it, so the rollout's start check (one reset) fails at startup, never mid-run.
 
-Randomness: textarena seeds Python's global ``random`` at reset (GEM seeds NumPy's too); each episode runs
-with its own copy of those generators (``EpisodeRandom``), so a seed gives the same game however many
-episodes run at once, and the process's own generators are left as they were.
+Randomness and offline NLTK: each episode runs with its own copy of the global generators textarena
+seeds, and NLTK stays on disk (``rollout/envs/episode.py``).
 """
 
 from __future__ import annotations
@@ -39,16 +38,15 @@ import asyncio
 import contextlib
 import inspect
 import json
-import random
 import re
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 from rollout.envs.bindings import require
+from rollout.envs.episode import EpisodeRandom, inside
 from rollout.envs.step import EnvError, Step
 
 OPPONENT_SYSTEM_PROMPT = (
@@ -57,35 +55,7 @@ OPPONENT_SYSTEM_PROMPT = (
 )  # textarena's STANDARD_GAME_PROMPT
 MAX_OPPONENT_MOVES = 1000
 """Most opponent moves between two of the model's: a game that never gives the turn back is an error."""
-_NLTK_CATEGORIES = ("corpora", "taggers", "tokenizers", "chunkers", "models", "grammars", "misc", "sentiment")
 _MOVES_LINE = re.compile(r"(?:available|valid|legal) (?:moves|actions|columns)[^:\n]*:([^\n]*)", re.IGNORECASE)
-_GLOBAL_RANDOM = threading.Lock()
-
-
-class EpisodeRandom:
-    """One episode's own copy of the process-wide generators (``random``, ``numpy.random``): ``active()``
-    swaps it in, under one lock, for a call into a hub that seeds and draws from the global ones."""
-
-    def __init__(self) -> None:
-        import numpy as np
-
-        self._python = random.Random().getstate()  # fresh entropy: unseeded episodes differ
-        self._numpy = np.random.RandomState().get_state()
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        import numpy as np
-
-        with _GLOBAL_RANDOM:
-            saved = random.getstate(), np.random.get_state()
-            random.setstate(self._python)
-            np.random.set_state(self._numpy)
-            try:
-                yield
-            finally:
-                self._python, self._numpy = random.getstate(), np.random.get_state()
-                random.setstate(saved[0])
-                np.random.set_state(saved[1])
 
 
 def first_listed_move(observation: str) -> str:
@@ -161,56 +131,6 @@ def _call_policy(policy: Callable[[str], Any], observation: str) -> str:
 
 async def _wait(awaitable: Any) -> Any:
     return await awaitable
-
-
-@contextlib.contextmanager
-def inside(episode_random: EpisodeRandom, env: str) -> Iterator[None]:
-    """A call into a hub's game: under the one lock, with the episode's own generators, NLTK offline."""
-    with episode_random.active(), offline_nltk(env):
-        yield
-
-
-@contextlib.contextmanager
-def offline_nltk(env: str) -> Iterator[None]:
-    """``nltk.download`` looks on disk only while a game loads: data that is there is used, data that is
-    not is an EnvError naming it (never a download; the caller holds the global lock)."""
-    try:
-        import nltk
-    except ImportError:
-        yield
-        return
-
-    def download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
-        for name in [info_or_id] if isinstance(info_or_id, str) else list(info_or_id or []):
-            if not _nltk_has(nltk, str(name)):
-                raise EnvError(_nltk_missing(env, str(name)))
-        return True
-
-    real = nltk.download
-    nltk.download = download
-    try:
-        yield
-    except LookupError as exc:  # the data was looked up without a download call first
-        found = re.search(r"Resource (\S+?) not found", re.sub(r"\x1b\[[0-9;]*m", "", str(exc)))  # nltk colours it
-        raise EnvError(_nltk_missing(env, found.group(1) if found else str(exc).strip()[:200])) from None
-    finally:
-        nltk.download = real
-
-
-def _nltk_has(nltk: Any, name: str) -> bool:
-    for category in _NLTK_CATEGORIES:
-        try:
-            nltk.data.find(f"{category}/{name}")
-            return True
-        except LookupError:
-            continue
-    return False
-
-
-def _nltk_missing(env: str, name: str) -> str:
-    return (f"environment {env} needs the NLTK data {name!r}, which is not installed here, and nothing "
-            f"is downloaded at run time: install it once beforehand: python -m nltk.downloader {name} "
-            f"(nltk.download({name!r}))")  # fmt: skip
 
 
 class TextArenaBinding:
