@@ -41,6 +41,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.waits import WaitTimeout, finish_within
 from data.env_tasks import make_env_records
 from data.tiny_model import EMBEDDED_MODEL
 from rollout.config import RolloutConfig
@@ -127,7 +128,9 @@ async def one_row(
     started = time.perf_counter()
     try:
         async with interaction:
-            result = await asyncio.wait_for(runner.run(records), args.run_timeout_s)
+            result = await finish_within(
+                runner.run(records), args.run_timeout_s, f"{env_class}'s rollout", "--run-timeout-s"
+            )
     finally:
         stop.set()
         await tick
@@ -194,7 +197,10 @@ def main() -> None:
     if min(args.concurrency, args.requests, args.steps, args.new_tokens, args.threads) < 1:
         parser.error("--concurrency, --requests, --steps, --new-tokens and --threads must be at least 1")
     with stop_on_sigterm():
-        rows = asyncio.run(main_async(args))
+        try:
+            rows = asyncio.run(main_async(args))
+        except WaitTimeout as exc:
+            raise SystemExit(f"benchmarks.environments: {exc}") from None
     print_table(rows, Console(width=max(Console().width, 150)))
     if args.json:
         with open(args.json, "w") as f:
