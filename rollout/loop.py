@@ -92,6 +92,7 @@ async def run_request(
                 what = f"start_interaction of {interaction_name(user)}"
                 raise ToolCreateError(f"{what} failed: {describe_error(exc)}") from exc
             await _start_messages(request, user, config)
+        _add_initial_observations(request, created)
         prompt_text, request.prompt_ids = chat.prompt(request.messages)
         transcript = chat.transcript(prompt_text, request.prompt_ids)
         request.transition(RequestState.RUNNING)
@@ -325,6 +326,19 @@ async def _start_messages(request: AsyncRolloutRequest, user: UserTurns, config:
                                f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     if messages is not None:
         request.messages = [{"role": m["role"], "content": valid_text(str(m["content"]))} for m in messages]
+
+
+def _add_initial_observations(request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]]) -> None:
+    """What an environment's ``reset`` returned (a TRL environment class's tools keep it as
+    ``initial_observation``) is appended to the last user message, as TRL appends it."""
+    for tool, instance_id in created:
+        observe = getattr(tool, "initial_observation", None)
+        text = observe(instance_id) if callable(observe) else None
+        if text is not None:
+            last = next((m for m in reversed(request.messages) if m["role"] == "user"), None)
+            if last is None:
+                raise ToolCreateError(f"tool {tool.name}: its environment's first observation needs a user message")
+            last["content"] = valid_text(f"{last['content']}{text}")
 
 
 def turn_seed(seed: int, request: AsyncRolloutRequest, turn: int) -> int:

@@ -5,7 +5,6 @@ the environment's reward once, closed once; through the tool registry and the ro
 from __future__ import annotations
 
 import asyncio
-import warnings
 from typing import Any
 
 import pytest
@@ -206,13 +205,11 @@ async def test_an_attribute_can_be_the_reward_as_trl_reward_functions_read_env_r
     await release_all(tools, "r")
 
 
-async def test_a_resets_observation_is_kept_and_a_warning_says_the_prompt_does_not_get_it():
+async def test_a_resets_observation_is_given_once_for_the_prompt():
     tools = env_tools(kwargs={"announce": True})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        await create_all(tools, "r", {"increment": {"target": 2}})
-    assert any("reset returned an observation" in str(w.message) for w in caught)
+    await create_all(tools, "r", {"increment": {"target": 2}})
     assert tools["pause"].initial_observation("r") == "Reach 2."
+    assert tools["increment"].initial_observation("r") is None  # once per instance, not once per tool
     await release_all(tools, "r")
 
 
@@ -242,6 +239,14 @@ async def test_a_request_calls_the_environment_and_gets_its_reward_once(tokenize
     [env] = CounterEnv.made
     assert env.resets == [{"target": 2}] and env.closed == 1
     assert tools["increment"].environment.live == {}
+
+
+async def test_what_reset_returns_is_appended_to_the_last_user_message_as_trl_does(tokenizer):
+    request, _ = await rollout(tokenizer, ["done"], new_request(target=4), tools=env_tools(kwargs={"announce": True}))
+    assert request.finish_reason is FinishReason.STOP, request.error
+    users = [m["content"] for m in request.messages if m["role"] == "user"]
+    assert users == [PROMPT[-1]["content"] + "Reach 4."] and request.consistency_diff is None
+    assert "Reach 4." in ChatTokenizer(tokenizer, []).tokenizer.decode(request.prompt_ids)
 
 
 async def test_an_engine_error_still_closes_the_environment_once(tokenizer):

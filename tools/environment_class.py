@@ -33,8 +33,8 @@ as a tool, here it is the environment's release. Per request:
 - release: the last of the request's tools to be released drops the instance, calling its ``close()``
   when it has one (after a call that outlived its deadline, once that call returns).
 
-What ``reset`` returns (TRL appends a string to the last user message) is not added to the prompt:
-rallyrl's loop has no such hook for tools; it is kept (``initial_observation``) and a warning says so.
+What ``reset`` returns (when not None) is appended to the prompt's last user message, as TRL appends it:
+the rollout loop reads it from ``initial_observation`` after every tool is created.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import functools
 import inspect
 import types
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +81,7 @@ class _Live:
     opened: bool = False
     failed: str | None = None  # why making or resetting it failed
     observation: Any = None  # what reset returned
+    observed: bool = False  # the loop took the observation for the prompt
     rewarded: bool = False
     pending: asyncio.Future[Any] | None = None  # a worker-thread call, possibly still running past its deadline
 
@@ -136,12 +136,6 @@ class EnvironmentClass:
                 raise ToolError(live.failed) from exc
             live.opened = True
             self.stats.opened += 1
-            if live.observation is not None:
-                warnings.warn(
-                    f"environment {self.path}: reset returned an observation; rallyrl's loop does not add it to "
-                    "the prompt (TRL appends it to the last user message): put the task in the record's prompt",
-                    stacklevel=2,
-                )
         return live.env
 
     def _make(self, live: _Live) -> None:
@@ -197,10 +191,14 @@ class EnvironmentMethodTool(BaseTool):
                 raise ToolConfigError(f"{where}: method {environment.path}.{name}: {exc}") from None
         return [cls(environment, name, schemas[name]) for name in names]
 
-    def initial_observation(self, instance_id: str) -> Any:
-        """What the instance's ``reset`` returned (None until it ran): TRL's addition to the prompt."""
+    def initial_observation(self, instance_id: str) -> str | None:
+        """What the instance's ``reset`` returned, once per instance (None until it ran, or when it returned
+        None): the rollout loop appends it to the prompt's last user message, as TRL does."""
         live = self.environment.live.get(instance_id)
-        return None if live is None else live.observation
+        if live is None or live.observation is None or live.observed:
+            return None
+        live.observed = True
+        return str(live.observation)
 
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         env = self.environment
