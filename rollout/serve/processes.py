@@ -165,6 +165,7 @@ class _SigtermGuard:
             self.kill_all()
             raise KeyboardInterrupt
         self.terminated = True
+        keep_interrupt_exit_status()
         threading.Thread(target=self.watchdog, name="sigterm-watchdog", daemon=True).start()
         interrupt = signal.getsignal(signal.SIGINT)
         if not callable(interrupt):  # (SIGINT ignored, as in a background job of a script)
@@ -185,6 +186,15 @@ class _SigtermGuard:
 
 
 _guard = _SigtermGuard()
+
+
+def keep_interrupt_exit_status() -> None:
+    """Let a program ended by KeyboardInterrupt die of SIGINT, as its parent expects. CPython 3.11 forgets
+    that status when a string is ``exec``-ed at exit (namedtuple does, in an import), and torch's dynamo
+    imports ``tabulate`` (installed with reasoning-gym) in an atexit hook only to log compile times at INFO."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None and callable(getattr(dynamo, "dump_compile_times", None)):
+        atexit.unregister(dynamo.dump_compile_times)
 
 
 @contextlib.contextmanager
