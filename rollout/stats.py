@@ -172,3 +172,31 @@ class RolloutCounts:
             **rewrites,
             **reasoning,
         }
+
+
+SOURCE_SUMS = ("requests", "graded", "correct", "reward")
+
+
+def source_sums(requests: list[AsyncRolloutRequest], sources: list[str]) -> dict[str, float]:
+    """Per data source: requests, graded requests, right answers and the reward's sum, under keys that
+    depend only on ``sources`` (so they sum across processes whatever each one rolled out)."""
+    sums = {f"{source}|{key}": 0.0 for source in sources for key in SOURCE_SUMS}
+    for request in requests:
+        if f"{request.data_source}|requests" not in sums:
+            continue
+        prefix = f"{request.data_source}|"
+        sums[prefix + "requests"] += 1
+        sums[prefix + "graded"] += request.rewards.answer is not None
+        sums[prefix + "correct"] += is_correct(request)
+        sums[prefix + "reward"] += request.rewards.final or 0.0
+    return sums
+
+
+def source_metrics(sums: dict[str, float], sources: list[str]) -> dict[str, float]:
+    """``accuracy/<source>`` and ``reward_mean/<source>`` from ``source_sums`` (NaN where there was none)."""
+    metrics: dict[str, float] = {}
+    for source in sources:
+        count, graded = sums[f"{source}|requests"], sums[f"{source}|graded"]
+        metrics[f"accuracy/{source}"] = sums[f"{source}|correct"] / graded if graded else math.nan
+        metrics[f"reward_mean/{source}"] = sums[f"{source}|reward"] / count if count else math.nan
+    return metrics

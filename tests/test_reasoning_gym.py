@@ -19,6 +19,7 @@ from data.schema import load_records, save_records
 from data.synthetic import CALC_SYSTEM_PROMPT
 from rollout.api import SetupError, load_prompts, rollout
 from rollout.config import RolloutConfig, RolloutJobConfig
+from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
 from rollout.tokens import ChatTokenizer
 from tools.registry import DEFAULT_TOOLS, build_tools
@@ -243,3 +244,25 @@ def test_a_prepared_parquet_rolls_out_through_the_cli_with_the_same_rewards(tmp_
     assert sorted(line["messages"][1]["content"] for line in lines) == sorted(r.prompt[1]["content"] for r in records)
     for line in lines:
         assert line["reward"] == independent_score(records[line["prompt_index"]].extra, last_answer(line["messages"]))
+
+
+def test_training_metrics_show_each_dataset_of_a_mix_apart(tmp_path, tiny_model_dir):
+    from trainer.config import GRPOConfig
+    from trainer.grpo import GRPOTrainer
+
+    config = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / "run"), prompts_per_step=2, progress=False,
+                        task="reasoning_gym:chain_sum,leg_counting")  # fmt: skip
+    trainer = GRPOTrainer(config)
+    assert trainer.prompts.sources == ["reasoning_gym/chain_sum", "reasoning_gym/leg_counting"]
+    requests = []
+    for i, (source, answer, final) in enumerate([("reasoning_gym/chain_sum", 1.0, 1.0),
+                                                 ("reasoning_gym/chain_sum", 0.0, 0.0),
+                                                 ("reasoning_gym/leg_counting", 0.5, 0.5)]):  # fmt: skip
+        request = AsyncRolloutRequest(f"r{i}", i, 0, [], data_source=source)
+        request.rewards.answer, request.rewards.final = answer, final
+        requests.append(request)
+    metrics = trainer.rollout_metrics(requests)
+    assert metrics["accuracy/reasoning_gym/chain_sum"] == 0.5 and metrics["reward_mean/reasoning_gym/chain_sum"] == 0.5
+    assert metrics["accuracy/reasoning_gym/leg_counting"] == 0.0  # partial credit is not a right answer
+    assert metrics["reward_mean/reasoning_gym/leg_counting"] == 0.5
+    assert metrics["accuracy"] == pytest.approx(1 / 3)

@@ -45,7 +45,7 @@ from rollout.engines.base import Engine, PushesWeights
 from rollout.gateway.agents import AgentDriver, load_agent
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
-from rollout.stats import RolloutCounts
+from rollout.stats import RolloutCounts, source_metrics, source_sums
 from rollout.tokens import load_tokenizer
 from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
@@ -290,8 +290,9 @@ class GRPOTrainer:
         summed = sum_across_processes(self.accelerator, counts.sums())
         counts = counts.with_sums(summed, max_across_processes(self.accelerator, counts.stale_max))
         metrics = counts.metrics()
-        if metrics["accuracy"] is None:
-            metrics["accuracy"] = math.nan  # nothing graded: a gap in the curve
+        metrics["accuracy"] = math.nan if metrics["accuracy"] is None else metrics["accuracy"]  # none graded: a gap
+        if len(sources := self.prompts.sources) > 1:  # a mix (reasoning-gym's, a data file's): each source apart
+            metrics |= source_metrics(sum_across_processes(self.accelerator, source_sums(requests, sources)), sources)
         return {**metrics, "weight_version": policy_version}
 
     # ----- the run: steps, logs, checkpoints ---------------------------------------------------------

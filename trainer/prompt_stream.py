@@ -21,6 +21,8 @@ class PromptStream:
             per_step = math.ceil(config.prompts_per_step * (config.oversample if config.filter_groups else 1))
             self.records = make_task(config.task or "calc", config.num_prompts or per_step * config.steps, config.seed)
         self.position = 0
+        self.sources = sorted({record.data_source for record in self.records})
+        """The stream's data sources: the same on every process, so per-source metrics sum across them."""
 
     def take(self, count: int) -> list[Record]:
         taken = [self.records[(self.position + i) % len(self.records)] for i in range(count)]
