@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections import defaultdict
 from typing import Any
 
 import pytest
 from aiohttp import web
 from conftest import ScriptedEngine
+from env_checks import Recorder, check_conversation
 
 from data.env_tasks import make_env_records
 from data.schema import Record
@@ -22,7 +22,7 @@ from rollout.envs.bindings import MissingExtraError
 from rollout.envs.interaction import EnvironmentInteraction
 from rollout.envs.textarena import first_listed_move
 from rollout.loop import run_request
-from rollout.request import AsyncRolloutRequest, FinishReason
+from rollout.request import AsyncRolloutRequest
 from rollout.runner import request_from_record
 from rollout.tokens import ChatTokenizer, load_tokenizer
 
@@ -38,22 +38,6 @@ def model_dir():
 @pytest.fixture(scope="module")
 def chat(model_dir) -> ChatTokenizer:
     return ChatTokenizer(load_tokenizer(model_dir), [])
-
-
-class Recorder:
-    """An engine that keeps every token the engine it wraps returned, per request."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.emitted: dict[str, list[int]] = defaultdict(list)
-
-    async def generate(self, input_ids: list[int], sampling: Any, rid: str) -> Any:
-        generation = await self.engine.generate(input_ids, sampling, rid)
-        self.emitted[rid].extend(generation.output_ids)
-        return generation
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
 
 def spy(monkeypatch, cls: type, method: str) -> list[tuple[Any, Any]]:
@@ -79,22 +63,6 @@ async def play(records: list[Record], interaction: EnvironmentInteraction, model
                             interactions={"env": interaction}) for i, r in enumerate(records)]  # fmt: skip
         requests = await asyncio.gather(*runs)
     return list(requests), recorder.emitted
-
-
-def check_conversation(request: AsyncRolloutRequest, emitted: list[int], chat: ChatTokenizer, min_turns: int = 2):
-    """Token-exact, trained on exactly the engine's tokens, every observation a masked-0 user turn."""
-    assert request.error is None and request.finish_reason is FinishReason.STOP, (request.finish_reason, request.error)
-    assert request.consistency_diff is None
-    assert len(request.interaction_turns) >= min_turns
-    assert sum(request.loss_mask) == len(emitted)
-    assert [t for t, m in zip(request.response_ids, request.loss_mask, strict=True) if m] == emitted
-    observations = [m["content"] for m in request.messages if m["role"] == "user"][1:]
-    assert len(observations) == len(request.interaction_turns) - 1  # the last step ended the episode
-    for text in observations:
-        ids = chat.encode(text)
-        starts = [i for i in range(len(request.response_ids)) if request.response_ids[i : i + len(ids)] == ids]
-        assert starts, f"observation {text[:60]!r} is not in the response tokens"
-        assert all(request.loss_mask[starts[0] + k] == 0 for k in range(len(ids)))
 
 
 def check_closed_once(interaction: EnvironmentInteraction, real_closes: int | None = None) -> None:

@@ -190,6 +190,11 @@ async def test_a_call_past_its_deadline_blocks_the_next_and_the_close_waits_for_
     await release_all(tools, "r")
     assert env.closed == 0  # the stuck call still runs
     env.release_pause.set()
+    await closed_once(env)
+
+
+async def closed_once(env: CounterEnv) -> None:
+    """Wait (up to a second) for the close that follows a stuck call once it returns; it happens once."""
     for _ in range(100):
         await asyncio.sleep(0.01)
         if env.closed:
@@ -281,11 +286,7 @@ async def test_cancelling_a_request_mid_call_closes_the_environment_once_the_cal
     [env] = CounterEnv.made
     assert tools["pause"].environment.live == {} and env.closed == 0
     env.release_pause.set()
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if env.closed:
-            break
-    assert env.closed == 1
+    await closed_once(env)
 
 
 async def test_the_embedded_model_sees_the_schemas_and_the_environment_lives_exactly_its_request():

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import defaultdict
 from typing import Any
 
 import httpx
 import pytest
 from conftest import ScriptedEngine, call
+from env_checks import Recorder, check_conversation
 from openenv_envs import ROUNDS
 
 from data.schema import Record
@@ -65,22 +65,6 @@ def target_tools() -> Any:
     stop_local_servers("tools")
 
 
-class Recorder:
-    """An engine that keeps every token the engine it wraps returned, per request."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.emitted: dict[str, list[int]] = defaultdict(list)
-
-    async def generate(self, input_ids: list[int], sampling: Any, rid: str) -> Any:
-        generation = await self.engine.generate(input_ids, sampling, rid)
-        self.emitted[rid].extend(generation.output_ids)
-        return generation
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
 def records(spec: str, num: int, name: str = "env", **env_kwargs: Any) -> list[Record]:
     kwargs = {"env": spec, "env_kwargs": env_kwargs} if env_kwargs else {"env": spec}
     return [Record(prompt=list(SYSTEM), data_source=spec, extra={"interaction_kwargs": {"name": name, "seed": i,
@@ -121,17 +105,6 @@ def server_counts(url: str, closed_at_least: int) -> dict[str, int]:
         if counts["closed"] >= closed_at_least or time.monotonic() > deadline:
             return counts
         time.sleep(0.05)
-
-
-def check_conversation(request: AsyncRolloutRequest, emitted: list[int], chat: ChatTokenizer) -> None:
-    """Token-exact, trained on exactly the engine's tokens, every observation a masked-0 user turn."""
-    assert request.error is None and request.finish_reason is FinishReason.STOP, (request.finish_reason, request.error)
-    assert request.consistency_diff is None
-    assert [t for t, m in zip(request.response_ids, request.loss_mask, strict=True) if m] == emitted
-    for text in [m["content"] for m in request.messages if m["role"] == "user"][1:]:
-        ids = chat.encode(text)
-        start = next(i for i in range(len(request.response_ids)) if request.response_ids[i : i + len(ids)] == ids)
-        assert request.loss_mask[start : start + len(ids)] == [0] * len(ids)
 
 
 # ----- a typed environment as the other side of the conversation -------------------------------------
