@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 """Attention implementations that read packed sequences from position ids without a [T, T] mask
 (transformers' varlen paths); with sdpa and eager, packing builds a block-diagonal mask over the
 whole micro-batch, costlier than padding, so ``packing: null`` pads there."""
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTING_FROM_PARAMETERS = 100_000_000
 """``gradient_checkpointing: null`` turns it on for models of at least this many parameters: every
@@ -249,18 +252,62 @@ class Policy:
 
     # ----- the update ---------------------------------------------------------------------------
 
-    def batches(self, samples: list[Sample]) -> list[TrainBatch]:
-        """``samples`` in micro-batches of at most ``micro_batch_size`` sequences and
-        ``micro_batch_tokens`` tokens, on the device."""
+    def batches(self, samples: list[Sample], max_tokens: int | None = None) -> list[TrainBatch]:
+        """``samples`` in micro-batches of at most ``micro_batch_size`` sequences and ``max_tokens``
+        tokens (default ``micro_batch_tokens``), on the device."""
         config = self.config
-        chunks = micro_batches(samples, config.micro_batch_size, config.micro_batch_tokens, packed=self.packing)
+        budget = config.micro_batch_tokens if max_tokens is None else max_tokens
+        chunks = micro_batches(samples, config.micro_batch_size, budget, packed=self.packing)
         return [collate(chunk, self.pad_id, packed=self.packing).to(self.accelerator.device) for chunk in chunks]
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
+        """ppo_epochs optimizer steps over ``samples``. Out of memory on the device before the first
+        optimizer step (a longer trajectory than the budget was set for) is answered once: the step
+        starts again with half the micro-batch token budget (``oom_retries`` 1 in the metrics); a second
+        is an ``UpdateOutOfMemory`` that names ``micro_batch_tokens`` and the longest sequence."""
+        self.stepped = False  # set by the first optimizer step: after it, the step cannot run again
+        try:
+            return {**self.update_once(samples, None), "oom_retries": 0}
+        except torch.OutOfMemoryError as exc:
+            budget = self.budget_after_oom(samples, exc)
+            log.warning("out of memory in the update (%s); the step runs again with micro_batch_tokens %d",
+                        str(exc).splitlines()[0][:200], budget)  # fmt: skip
+        try:
+            return {**self.update_once(samples, budget), "oom_retries": 1}
+        except torch.OutOfMemoryError as exc:
+            raise self.out_of_memory(samples, f"again with micro_batch_tokens {budget}", exc) from None
+
+    def budget_after_oom(self, samples: list[Sample], exc: torch.OutOfMemoryError) -> int:
+        """The halved token budget of the retry; an UpdateOutOfMemory when the step cannot run again
+        (an optimizer step was taken already, or other processes would wait for this one)."""
+        if self.stepped:
+            raise self.out_of_memory(samples, "after an optimizer step (ppo_epochs > 1)", exc) from None
+        if self.accelerator.num_processes > 1:
+            raise self.out_of_memory(samples, "in one of several processes", exc) from None
+        self.release_update_memory()
+        used = self.config.micro_batch_tokens or max(len(chunk) * longest(chunk) for chunk in
+                                                     micro_batches(samples, self.config.micro_batch_size))  # fmt: skip
+        return max(1, used // 2)
+
+    def out_of_memory(self, samples: list[Sample], when: str, exc: torch.OutOfMemoryError) -> UpdateOutOfMemory:
+        self.release_update_memory()
+        return UpdateOutOfMemory(
+            f"out of memory in the update {when} (micro_batch_tokens {self.config.micro_batch_tokens}); the "
+            f"longest sequence has {longest(samples)} tokens: set micro_batch_tokens lower, turn "
+            f"gradient_checkpointing on, or bound max_model_len. {str(exc).splitlines()[0][:300]}"
+        )
+
+    def release_update_memory(self) -> None:
+        """Drop the gradients of a failed step and give the allocator's cached blocks back."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def update_once(self, samples: list[Sample], max_tokens: int | None) -> dict[str, float]:
         """ppo_epochs optimizer steps over ``samples``; the loss is normalised by global counts."""
         config, accelerator = self.config, self.accelerator
         self.model.train()
-        batches = self.batches(samples)
+        batches = self.batches(samples, max_tokens)
         local_tokens = sum(float(b.loss_mask[:, 1:].sum()) for b in batches)
         local_seqs = sum(int((b.loss_mask[:, 1:].sum(1) > 0).sum()) for b in batches)
         local = {"tokens": local_tokens, "seqs": local_seqs, "rows": sum(len(b) for b in batches)}
@@ -300,6 +347,7 @@ class Policy:
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             grad_norms.append(float(grad_norm))
             self.optimizer.step()
+            self.stepped = True
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -317,6 +365,14 @@ class Policy:
         """Gradients are reduced across processes on a step's last micro-batch only (DDP's
         ``no_sync``, FSDP2's ``set_requires_gradient_sync`` through Accelerate)."""
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+
+
+class UpdateOutOfMemory(RuntimeError):
+    """The update ran out of device memory twice; the message names the budget and the longest sequence."""
+
+
+def longest(samples: list[Sample]) -> int:
+    return max((len(sample.input_ids) for sample in samples), default=0)
 
 
 def load_lm(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
