@@ -11,8 +11,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from rollout.envs.step import Step, as_step
-
 
 class ClassBinding:
     """An environment class with ``reset`` / ``step`` (and optional ``close``), by import path."""
@@ -25,11 +23,6 @@ class ClassBinding:
         if not callable(getattr(cls, "step", None)) or not callable(getattr(cls, "reset", None)):
             raise TypeError(f"environment {env_id}: a class with reset and step methods is needed")
         self.env = cls(**env_kwargs)
-        self._async = any(inspect.iscoroutinefunction(getattr(self.env, m, None)) for m in ("reset", "step"))
-
-    @property
-    def is_async(self) -> bool:
-        return self._async
 
     def _reset_kwargs(self, seed: int | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
         parameters = inspect.signature(self.env.reset).parameters
@@ -50,11 +43,3 @@ class ClassBinding:
     def close(self) -> Any:
         close = getattr(self.env, "close", None)
         return close() if callable(close) else None
-
-
-async def maybe_await(value: Any) -> Any:
-    """``await value`` when it is awaitable, else the value."""
-    return await value if inspect.isawaitable(value) else value
-
-
-__all__ = ["ClassBinding", "Step", "as_step", "maybe_await"]
