@@ -188,6 +188,9 @@ def train(
         None, "--async/--sync", help="Overlap rollout and training (async_rl), or step by step (default)."
     ),
     max_staleness: int = typer.Option(None, help="Async: the most policy versions a trained token may lag."),
+    colocate: bool = typer.Option(
+        None, "--colocate/--no-colocate", help="Release the in-process engine's memory for each update (colocate)."
+    ),
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
     flags = {
@@ -196,6 +199,7 @@ def train(
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
         "engine.urls": engine_url or None, "engine.server": engine_server, "weight_sync.transport": weight_sync,
         "threads": threads, "progress": progress, "async_rl": async_rl, "max_staleness": max_staleness,
+        "colocate": colocate,
     }  # fmt: skip
     with _errors_for_people():
         grpo_config = _load("train", config, flags, set_)  # a bad setting fails before torch loads

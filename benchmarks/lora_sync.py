@@ -50,7 +50,7 @@ def measure(shape: str, rank: int, repeats: int, batch: int, decode_tokens: int)
     from rollout.tokens import load_tokenizer
     from trainer.config import LoRAConfig
     from trainer.lora import apply_lora, lora_layers, merged_state_dict, save_adapter
-    from trainer.policy import load_lm
+    from trainer.policy_model import load_lm
     from trainer.weight_files import save_weights
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL)

@@ -23,13 +23,17 @@ def by_sample(request) -> float:
 def main(model_dir: str, out_dir: str, result: str, mode: str = "sync") -> None:
     # async with max_staleness 0: each process trains on its share of the first groups, all
     # sampled by the initial weights, so the update is the synchronous one; lora: the synchronous
-    # step with an adapter (its gradients are the adapter's alone)
+    # step with an adapter (its gradients are the adapter's alone); auto: micro_batch_tokens probed by
+    # every process under a limit, the smallest budget taken by all
+    budget: dict = {"micro_batch_size": 3}
+    if mode == "auto":
+        budget = {"micro_batch_tokens": "auto", "memory_limit_gib": 16.0, "micro_batch_size": None}
     config = GRPOConfig(
         async_rl=mode == "async", max_staleness=0,
         model=model_dir, out=out_dir, steps=1, prompts_per_step=4, samples_per_prompt=2,
         rollout=RolloutConfig(max_turns=1, max_new_tokens=8, max_model_len=768, temperature=1.0),
-        micro_batch_size=3, lr=1e-2, seed=5, filter_groups=False, checkpoint_every=0, tis_cap=None,
-        lora=LoRAConfig(rank=4, alpha=8.0) if mode == "lora" else None,
+        lr=1e-2, seed=5, filter_groups=False, checkpoint_every=0, tis_cap=None,
+        lora=LoRAConfig(rank=4, alpha=8.0) if mode == "lora" else None, **budget,
     )  # fmt: skip
     trainer = GRPOTrainer(config, reward_fn=by_sample)
     grads: dict[str, torch.Tensor] = {}

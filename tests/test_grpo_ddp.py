@@ -35,7 +35,7 @@ def launch(processes: int, model_dir: Path, out: Path, mode: str = "sync") -> di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async", "lora"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lora", "auto"])
 def test_two_process_update_equals_one_process_update(tmp_path, mode):
     # peaked logits, so that greedy rollouts do not hinge on float noise between batch shapes
     model_dir = save_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=64, num_layers=2,
@@ -48,6 +48,8 @@ def test_two_process_update_equals_one_process_update(tmp_path, mode):
     assert two["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-4)
     assert one["metrics"]["rollout/trajectories"] == two["metrics"]["rollout/trajectories"] == 8
     assert (one["processes"], two["processes"]) == (1, 2)
+    if mode == "auto":  # both probed (the two processes agreed on one budget, or the run would hang)
+        assert one["metrics"]["train/micro_batch_tokens"] >= 256 and two["metrics"]["train/micro_batch_tokens"] >= 256
     scale = max(float(g.abs().max()) for g in one["grads"].values())
     assert scale > 1e-3  # a real gradient, not float noise
     assert one["grads"].keys() == two["grads"].keys()

@@ -19,7 +19,7 @@ from rollout.engines.adapter_dirs import adapter_base, export_merged, is_adapter
 from trainer.config import LoRAConfig
 from trainer.grpo import GRPOTrainer
 from trainer.lora import lora_layers
-from trainer.policy import PolicyModel, load_lm
+from trainer.policy_model import PolicyModel, load_lm
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 

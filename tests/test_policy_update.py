@@ -18,7 +18,7 @@ from trainer.batch import Sample, collate, micro_batches
 from trainer.config import GRPOConfig
 from trainer.grpo import GRPOTrainer
 from trainer.losses import entropy_from_logits, token_logprobs
-from trainer.policy import PolicyModel
+from trainer.policy_model import PolicyModel
 
 TEMPERATURE = 0.7
 """The rollout temperature of every test here: logits are divided by it, in both computations."""

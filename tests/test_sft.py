@@ -16,7 +16,7 @@ from rollout.parsers import parse_hermes
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 from rollout.tokens import load_tokenizer
 from tools.calculator import evaluate, format_number
-from trainer.policy import enable_checkpointing
+from trainer.policy_model import enable_checkpointing
 from trainer.sft import (
     RECIPES,
     Batch,

@@ -27,3 +27,21 @@ def test_an_update_on_a_real_vocabulary_holds_less_than_one_copy_of_its_logits()
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["peak_gib"] < 0.9 * one_copy_gib, result  # the whole process: Python, torch, model, AdamW
+
+
+def test_the_default_rows_budget_is_auto_and_their_ratio_is_against_the_best_other_row_of_their_step():
+    from benchmarks.trainer_memory import Row, versus_best
+
+    row = Row.parse("qwen2.5-0.5b,64x1024,auto,default")
+    assert row.micro_batch_tokens is None and str(row) == "qwen2.5-0.5b,64x1024,auto,default"
+    for bad in ("qwen2.5-0.5b,64x1024,auto,chunked", "qwen2.5-0.5b,64x1024,8192,default"):
+        with pytest.raises(SystemExit, match="default mode's budget is auto"):
+            Row.parse(bad)
+    results = [
+        {"row": "qwen2.5-0.5b,64x1024,auto,default", "tokens": 65536, "seconds": [1.0, 1.0]},
+        {"row": "qwen2.5-0.5b,64x1024,32768,chunked", "tokens": 65536, "seconds": [0.8]},
+        {"row": "qwen2.5-0.5b,64x1024,8192,chunked", "tokens": 65536, "seconds": [2.0]},
+        {"row": "qwen2.5-0.5b,4x16384,16384,chunked", "tokens": 65536, "seconds": [0.1]},  # another step
+        {"row": "qwen2.5-0.5b,64x1024,16384,chunked", "note": "out of memory"},
+    ]
+    assert versus_best(results[0], results) == "0.80x"

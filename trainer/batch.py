@@ -203,9 +203,9 @@ def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False) -> Tra
                       positions, targets, slots)  # fmt: skip
 
 
-def micro_batches(samples: list[Sample], size: int, max_tokens: int | None = None,
+def micro_batches(samples: list[Sample], size: int | None, max_tokens: int | None = None,
                   packed: bool = False) -> list[list[Sample]]:  # fmt: skip
-    """Consecutive chunks of at most ``size`` samples, sorted by length so padding stays small, and
+    """Consecutive chunks of at most ``size`` samples (None: any number), sorted by length so padding stays small, and
     of at most ``max_tokens`` tokens (padded: rows x the longest; ``packed``: the sum of lengths; a
     longer sample goes alone), so a few long conversations cannot blow up a forward pass."""
     chunks: list[list[Sample]] = []
@@ -215,7 +215,7 @@ def micro_batches(samples: list[Sample], size: int, max_tokens: int | None = Non
         n = len(sample.input_ids)
         tokens = used + n if packed else (len(chunk or ()) + 1) * n
         fits = max_tokens is None or tokens <= max_tokens
-        if chunk is None or len(chunk) >= size or not fits:
+        if chunk is None or (size is not None and len(chunk) >= size) or not fits:
             chunks.append([sample])
             used = n
         else:

@@ -14,59 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data.config_tree import ConfigError, check_fields, load_tree, to_dict
-from rollout.config import CommonConfig, GatewayConfig, JudgeConfig, PromptsConfig, RolloutConfig
+from rollout.config import GatewayConfig, JudgeConfig, PromptsConfig, RolloutConfig
 from rollout.engines.config import EngineConfig, WeightSyncConfig
+from trainer.lora_config import LoRAConfig
+from trainer.sft_config import SFTConfig
 
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k3"]
-
-
-LORA_BASE_DTYPES = ("float32", "bfloat16", "float16")
-LORA_SYNCS = ("auto", "adapter", "merged")
-
-
-@dataclass
-class LoRAConfig:
-    """``lora:`` of ``rallyrl train`` and ``rallyrl sft``: train a low-rank adapter instead of the model."""
-
-    rank: int = 16
-    """r: the adapter's rank (A is rank x in, B is out x rank)."""
-    alpha: float = 32.0
-    """lora_alpha: the update is scaled by alpha / rank."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input while training."""
-    target_modules: list[str] | str = "all-linear"
-    """Module names (suffixes, e.g. q_proj, v_proj) to adapt, or ``all-linear``: every linear layer
-    but the output head."""
-    base_dtype: str = "float32"
-    """The frozen base weights' dtype: float32, bfloat16 (halves their memory on a GPU) or float16.
-    The adapter trains in float32."""
-    exclude: list[str] = field(default_factory=list)
-    """Module names never adapted (e.g. a vision tower)."""
-    sync: str = "auto"
-    """How servers (``--engine-url``) get each version: ``adapter`` (the adapter alone, loaded by the
-    server's LoRA endpoint; an error before the first rollout where it cannot), ``merged`` (full
-    weights with the adapter merged in) or ``auto`` (the adapter where the server can load it, merged
-    weights where its engine cannot load adapters at all, e.g. SGLang on CPU; a server that only
-    lacks a flag is still an error). In-process engines always get merged weights."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.base_dtype not in LORA_BASE_DTYPES:
-            raise ConfigError(f"lora.base_dtype must be one of {list(LORA_BASE_DTYPES)}, got {self.base_dtype!r}")
-        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            self.target_modules = [self.target_modules]
-        if self.sync not in LORA_SYNCS:
-            raise ConfigError(f"lora.sync must be one of {list(LORA_SYNCS)}, got {self.sync!r}")
-        if not self.target_modules:
-            raise ConfigError("lora.target_modules is empty: name modules (q_proj, v_proj, ...) or all-linear")
 
 
 def _calc_rollout(**changes: Any) -> RolloutConfig:
@@ -166,20 +122,36 @@ class GRPOConfig(PromptsConfig):
     ppo_epochs: int = 1
     """mu: passes over each step's samples (one optimizer step per pass); above 1 the ratio and
     clipping act against the policy before the step's first pass."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients accumulate over a step's micro-batches (the
-    result does not depend on it)."""
-    micro_batch_tokens: int | None = 8192
+    micro_batch_size: int | None = None
+    """Most sequences per forward/backward; None: no count limit, ``micro_batch_tokens`` alone sizes
+    them. Gradients accumulate over a step's micro-batches (the result does not depend on it)."""
+    micro_batch_tokens: int | Literal["auto"] | None = "auto"
     """Most tokens per forward/backward (padded: sequences x the longest; packed: their sum): long
-    conversations go in smaller micro-batches (verl's dynamic batch size). None:
-    ``micro_batch_size`` alone. The result does not depend on it."""
+    conversations go in smaller micro-batches (verl's dynamic batch size). ``auto``: on CUDA, the
+    largest budget the card holds, found by a probe at the first step (``trainer/memory_budget.py``;
+    with ``gradient_checkpointing: null`` it also decides checkpointing); on the CPU 8,192 unless
+    ``memory_limit_gib`` is set. None: ``micro_batch_size`` alone. The result does not depend on it."""
+    memory_limit_gib: float | None = None
+    """The memory the update may use, for ``micro_batch_tokens: auto``. None: on CUDA the card (what is
+    free plus what this process holds); on the CPU auto then keeps 8,192 tokens. Set on the CPU, it
+    bounds the process's resident memory (RSS)."""
+    memory_headroom: float = 0.15
+    """``auto`` aims the update's peak at (1 - headroom) x ``memory_limit_gib`` (allocator
+    fragmentation, the optimizer step's temporaries and longer-than-probed tails live there)."""
+    colocate: bool | None = None
+    """Give the in-process engine's memory back for each update and take it back for the next rollout
+    (the embedded engine: its KV cache and its weight copy, rebuilt from the trainer's weights;
+    in-process SGLang: ``release_memory_occupation``, started with ``enable_memory_saver``). null: on
+    where the engine shares the trainer's CUDA device, off on the CPU and with servers. With
+    ``async_rl`` the engine cannot stop for the update: ``colocate: true`` makes such a run synchronous."""
 
     # --- memory at a real model's size ---
     gradient_checkpointing: bool | None = None
     """Recompute each decoder layer in backward instead of keeping its activations: a micro-batch's
     activations shrink to one layer's (Qwen2.5-1.5B shape, 64 x 1,024 tokens on an H200: 54 -> 29
-    GiB) for 1.2-1.35x the update time at the same micro-batch. null: on for models of 100 M
-    parameters or more (any real LM), off for the embedded tiny one."""
+    GiB) for 1.2-1.35x the update time at the same micro-batch. null: decided by memory where
+    ``micro_batch_tokens: auto`` probes (off where the budget without it holds the step's longest
+    sequence), else on for models of 100 M parameters or more (any real LM), off for tiny ones."""
     packing: bool | None = None
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart per
     sequence). null: where the attention implementation reads packed sequences (flash_attention_2/3,
@@ -217,13 +189,19 @@ class GRPOConfig(PromptsConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("steps", "prompts_per_step", "ppo_epochs", "micro_batch_size", "keep_checkpoints"):
+        for name in ("steps", "prompts_per_step", "ppo_epochs", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.logprob_chunk_tokens < 0:
             raise ValueError(f"logprob_chunk_tokens must be >= 0 (0: unchunked), got {self.logprob_chunk_tokens}")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 (or auto, or null), got {self.micro_batch_tokens}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 (or null: no count limit), got {self.micro_batch_size}")
+        if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
+            raise ValueError(f"memory_limit_gib must be > 0 (or null: the device), got {self.memory_limit_gib}")
+        if not 0 <= self.memory_headroom < 1:
+            raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}")
         if self.checkpoint_every < 0 or self.warmup_steps < 0:
             raise ValueError("checkpoint_every and warmup_steps must be >= 0")
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
@@ -282,97 +260,6 @@ class EvalConfig(PromptsConfig):
         return self.num_prompts or (None if self.data else 300)
 
 
-@dataclass
-class SFTConfig(CommonConfig):
-    """An SFT run (``rallyrl sft``); the defaults train a fresh tiny Qwen2 on calc traces (the
-    embedded model's stages are ``trainer.sft.TINY_CALC_RECIPE``)."""
-
-    model: str | None = None
-    """Hugging Face model directory to start from; None builds a fresh tiny Qwen2 (sizes below)."""
-    hidden_size: int = 128
-    """Fresh model only: hidden size."""
-    num_layers: int = 4
-    """Fresh model only: decoder layers."""
-    num_heads: int = 8
-    """Fresh model only: attention heads (8 of size 16 learn to copy operands much sooner than 4)."""
-    num_kv_heads: int = 8
-    """Fresh model only: key/value heads (no grouping: 2 groups slowed copying down)."""
-    intermediate_size: int = 512
-    """Fresh model only: MLP size."""
-    data: str | None = None
-    """JSONL of conversations (dataset records whose prompt holds the whole chat) or of rollout
-    trajectories; None generates ``calc`` traces with ``seed``."""
-    tool_call_share: float = 1.0
-    """Generated traces only: the share that calls the calculator; the rest answer at once (a guess)."""
-    num_examples: int = 20000
-    """Examples to use: generated traces, or the first N of ``data`` (0 = all of ``data``)."""
-    min_reward: float | None = None
-    """Trajectory data only: keep trajectories whose reward is at least this (rejection sampling)."""
-    max_length: int = 2048
-    """Longer examples are cut to this many tokens."""
-    steps: int = 1200
-    """Optimizer steps."""
-    schedule_steps: int | None = None
-    """Length of the learning-rate schedule (default: ``steps``); a longer one stops the run partway."""
-    batch_size: int = 32
-    """Examples per step."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
-    warmup_steps: int = 30
-    """Linear warmup steps before the cosine decay to 0."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    eval_every: int = 50
-    """Evaluate and save a checkpoint every this many steps (and after the last step)."""
-    eval_prompts: int = 128
-    """Held-out calc problems rolled out greedily at each evaluation (0 = save checkpoints only)."""
-    eval_seed: int = 1000
-    """Seed of the held-out problems; must differ from ``seed``."""
-    log_every: int = 10
-    """Print and log the training loss every this many steps."""
-    stop_accuracy: float | None = None
-    """Stop at the first evaluation whose held-out accuracy reaches this (None: run every step)."""
-    out: str = "runs/sft"
-    """Output directory: ``step-N/`` checkpoints and ``sft_log.jsonl``."""
-    export: str | None = None
-    """Also copy the last checkpoint here (``data/assets/tiny-calc`` rebuilds the embedded model)."""
-    export_head_dim: int = 32
-    """The export's attention heads are widened to this size and its hidden size to heads x
-    this, zero-padded (the same function, ``data/model_padding.py``): vLLM's CPU attention
-    refuses heads under 32 and SGLang on CPU takes hidden / heads as the head size. 0 exports
-    the checkpoint as it is."""
-    device: str = "cpu"
-    """"cpu", or "auto" to let Accelerate pick (CUDA when present)."""
-    gradient_checkpointing: bool | None = None
-    """Recompute each decoder layer in backward (as ``rallyrl train``'s); null: on for models of
-    100 M parameters or more. On, a batch's shared prefix is not cached (rows run in full)."""
-    logprob_chunk_tokens: int = 1024
-    """Trained tokens per chunk through the LM head (as ``rallyrl train``'s); 0: all at once."""
-    lora: LoRAConfig | None = None
-    """Train a LoRA adapter instead of the whole model (as ``rallyrl train``'s); null: full fine-tuning."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("steps", "batch_size", "eval_every", "log_every", "max_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_examples", "eval_prompts", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SFTConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.data is None and self.num_examples < 1:
-            raise ValueError("SFTConfig.num_examples must be >= 1 when traces are generated (data is None)")
-        if self.eval_seed == self.seed:
-            raise ValueError(f"SFTConfig.eval_seed must differ from the training seed ({self.seed}): it is held out")
-        if self.schedule_steps is not None and self.schedule_steps < self.steps:
-            raise ValueError(f"SFTConfig.schedule_steps must be >= steps ({self.steps}), got {self.schedule_steps}")
-        if self.lr <= 0:
-            raise ValueError(f"SFTConfig.lr must be > 0, got {self.lr}")
-        if self.stop_accuracy is not None and (self.eval_prompts == 0 or not 0 < self.stop_accuracy <= 1):
-            raise ValueError("SFTConfig.stop_accuracy must be in (0, 1] and needs eval_prompts > 0")
-
-
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | None = None) -> GRPOConfig:  # fmt: skip
     """A GRPOConfig from a YAML file, then ``overrides`` (dotted keys; None values skipped), then
@@ -380,4 +267,4 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return load_tree(GRPOConfig, path, overrides, sets)
 
 
-__all__ = ["ConfigError", "EvalConfig", "GRPOConfig", "SFTConfig", "check_fields", "load_config"]
+__all__ = ["ConfigError", "EvalConfig", "GRPOConfig", "LoRAConfig", "SFTConfig", "check_fields", "load_config"]

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,40 +48,23 @@ from rollout.stats import RolloutCounts, source_metrics, source_sums
 from rollout.tokens import load_tokenizer
 from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
-from trainer.checkpoints import (
-    load_training_checkpoint,
-    prune_checkpoints,
-    save_adapter_dir,
-    save_model_dir,
-    save_training_checkpoint,
-)
+from trainer.colocation import Colocation, plan_colocation, prepare_sglang, wants_sglang_colocation
 from trainer.config import GRPOConfig
 from trainer.distributed import make_accelerator, max_across_processes, sum_across_processes
 from trainer.groups import group_samples, select_groups
 from trainer.grpo_async import train_async
-from trainer.metrics_log import PhaseTimer, append_metrics, console_line, keep_metrics_until, plot_curves, step_progress
-from trainer.policy import Policy, compute_dtype, load_lm
+from trainer.metrics_log import PhaseTimer, append_metrics, console_line, step_progress
+from trainer.policy import Policy
+from trainer.policy_model import compute_dtype, load_lm
 from trainer.prompt_stream import PromptStream
+from trainer.run_files import RunFiles, TrainerState
 from trainer.weight_check import logprob_gap
 from trainer.weight_files import save_adapter_version
 from trainer.weight_source import PolicyWeights
 from trainer.weight_sync import plan_servers, sync_engine
 
 
-@dataclass
-class TrainerState:
-    """What a checkpoint needs beyond model, optimizer, scheduler and RNG (Accelerate saves those)."""
-
-    step: int = 0
-    data_position: int = 0
-    """Synchronous runs: the next prompt of the stream. Async runs: the lowest prompt not consumed."""
-    streams: list[dict[str, Any]] | None = None
-    """Async runs: each process's ``PromptLedger`` state (which prompts were consumed)."""
-    elapsed_s: float = 0.0
-    """Wall seconds of training up to this state (a resumed run's clock goes on from here)."""
-
-
-class GRPOTrainer:
+class GRPOTrainer(RunFiles):
     """Owns the policy, its optimizer, the rollout engine and the run directory."""
 
     def __init__(
@@ -107,6 +89,7 @@ class GRPOTrainer:
         self.policy = Policy(config, self.accelerator, load_lm(self.model_dir), self.tokenizer.pad_token_id or 0,
                              reference)  # fmt: skip
         self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
+        self.policy.say = self.say
         self.tools, self.chat = setup_tools(config.tools, self.tokenizer, config.task)
         self.interactions = setup_interactions(config.interactions, config.task)
         self.judge = make_judge(config.judge) if reward_fn is None else None
@@ -121,10 +104,15 @@ class GRPOTrainer:
         self.server_adapter = False  # LoRA: the servers load the adapter alone at each sync
         self.weights = PolicyWeights(self.policy, self.tokenizer, self.out / "weights")  # what a sync sends
         self.last_sync: dict[str, float] = {}  # the sync/ metrics of the last step
+        self.colocation: Colocation | None = None  # an in-process engine on the trainer's device: released per update
 
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    def say(self, line: str) -> None:
+        if self.is_main:
+            self.console.print(line, highlight=False)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's full state dict under the LM's own names (gathered under FSDP)."""
@@ -132,11 +120,13 @@ class GRPOTrainer:
 
     def open_engine(self) -> Any:
         """The configured engine, not yet entered: servers, or an in-process engine on its own copy
-        of the policy (synced in-process after each step)."""
-        policy = None
-        if not self.config.engine.urls and self.config.engine.kind == "local":
+        of the policy (synced in-process after each step); in-process SGLang set up for colocation."""
+        config, policy = self.config.engine, None
+        if not config.urls and config.kind == "local":
             policy = self.policy.engine_copy()
-        return open_engine(self.config.engine, self.model_dir, max_model_len=self.config.rollout.max_model_len,
+        if wants_sglang_colocation(self.config, self.accelerator.device):
+            config = dataclasses.replace(config, sglang=prepare_sglang(config.sglang))
+        return open_engine(config, self.model_dir, max_model_len=self.config.rollout.max_model_len,
                            seed=self.config.seed + 1000 * self.accelerator.process_index, model=policy,
                            pooled=True)  # fmt: skip
 
@@ -158,6 +148,8 @@ class GRPOTrainer:
         # 3. update: ppo_epochs passes, gradients accumulated over micro-batches
         with timer("update"):
             self.weights.version = None  # changing: a server that comes back waits for the sync
+            if self.colocation is not None:  # the engine's memory, for the update
+                await self.colocation.release()
             update = self.update(samples)
 
         # 4. sync the engine (servers: pause -> weights by broadcast, tensor or disk -> continue)
@@ -227,6 +219,7 @@ class GRPOTrainer:
             **{f"rollout/{k}": v for k, v in {**rollout, **group_stats}.items()},
             **{f"train/{k}": v for k, v in update.items()},
             **{f"sync/{k}": v for k, v in self.last_sync.items()},
+            **{f"colocate/{k}": v for k, v in (self.colocation.metrics() if self.colocation else {}).items()},
             **{f"time/{k}": v for k, v in times.items()},
         }
 
@@ -269,7 +262,9 @@ class GRPOTrainer:
             self.weights.gather()  # (a collective under FSDP)
             try:
                 self.weights.version = version
-                if self.is_main or not servers:
+                if self.colocation is not None:  # the engine's memory back, with these weights
+                    self.last_sync = await self.colocation.resume(self.weights, version)
+                elif self.is_main or not servers:
                     self.last_sync = await sync_engine(engine, self.weights, version)
             finally:
                 self.weights.release()
@@ -315,6 +310,9 @@ class GRPOTrainer:
                 self.engine = await stack.enter_async_context(self.open_engine())
             engine = self.engine
             await self.plan_server_sync(engine)
+            self.colocation, line = plan_colocation(config, engine, self.accelerator.device)
+            if line:
+                self.say(line)
             if isinstance(engine, PushesWeights) or (resume and self.state.step):
                 # servers started from any checkpoint of this model get exactly the policy's weights
                 await self.sync(engine, self.state.step)
@@ -335,7 +333,7 @@ class GRPOTrainer:
                     due = config.checkpoint_every and self.state.step % config.checkpoint_every == 0
                     return bool(due) or self.state.step == config.steps
 
-                if config.async_rl:
+                if config.async_rl and self.colocation is None:
                     await train_async(self, finished)
                 else:
                     runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
@@ -351,45 +349,6 @@ class GRPOTrainer:
         if self.is_main:
             append_metrics(self.out / "metrics.jsonl", metrics)
             self.console.print(console_line(metrics), highlight=False)
-
-    def save_checkpoint(self) -> None:
-        """``out/checkpoints/step-N``: Accelerate's state, step and data position, and the model's
-        config and tokenizer (a model directory too); the oldest beyond ``keep_checkpoints`` go."""
-        parent = self.out / "checkpoints"
-        if self.ledger is not None:  # async: which prompts every process consumed
-            self.state.streams = gather_object([self.ledger.state()])
-            lowest = gather_object([self.ledger.lowest_unconsumed_position()])
-            self.state.data_position = min(lowest)
-        full = self.policy.state_dict() if self.policy.sharded else None
-        directory = parent / f"step-{self.state.step:06d}"
-        adapter = None if self.config.lora is None else lambda at: self.policy.save_adapter(at, self.model_dir)
-        save_training_checkpoint(self.accelerator, self.policy.language_model(), self.tokenizer, directory,
-                                 dataclasses.asdict(self.state), full, adapter)  # fmt: skip
-        if self.is_main:
-            prune_checkpoints(parent, self.config.keep_checkpoints)
-
-    def load_checkpoint(self) -> list[dict[str, Any]]:
-        """Restore the last complete checkpoint; returns the metrics logged up to it."""
-        last, state = load_training_checkpoint(self.accelerator, self.out / "checkpoints")
-        self.state = TrainerState(**state)
-        self.prompts.position = self.state.data_position
-        metrics_file = self.out / "metrics.jsonl"
-        history = keep_metrics_until(metrics_file, self.state.step) if self.is_main else []
-        self.console.print(f"resumed from {last} (step {self.state.step})")
-        return history
-
-    def save_final(self, history: list[dict[str, Any]]) -> None:
-        """``out/final/``: a Hugging Face model directory the engines load; ``out/curves.png``."""
-        self.accelerator.wait_for_everyone()
-        state = self.policy.state_dict()  # (gathered by all under FSDP)
-        if not self.is_main:
-            return
-        if self.config.lora is not None:  # the adapter, in peft's format, naming the base model
-            save_adapter_dir(self.policy.peft, self.tokenizer, self.out / "final", self.model_dir)
-        else:
-            save_model_dir(self.policy.language_model(), self.tokenizer, self.out / "final", state)
-        if history:
-            plot_curves(history, self.out / "curves.png")
 
 
 def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:

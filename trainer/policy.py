@@ -5,7 +5,8 @@ update over a step's micro-batches. The memory of training at a real model's siz
   their logprobs and entropy go through the LM head in token chunks (``trainer/logprobs.py``),
   so no ``[tokens, vocab]`` float32 tensor outlives its chunk;
 - decoder layers are checkpointed where that pays (``gradient_checkpointing``);
-- micro-batches are sized by tokens and packed without padding where the attention
+- micro-batches are sized by tokens (``micro_batch_tokens``, ``auto``: to the device's memory, by a
+  probe: ``trainer/memory_budget.py``) and packed without padding where the attention
   implementation reads packed sequences (``packing``);
 - the frozen reference of the KL term is held in the compute dtype and prepared like the policy.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,102 +28,27 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, get_constant_sch
 from data.config_tree import ConfigError
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.config import GRPOConfig
-from trainer.distributed import full_state_dict, is_fsdp, shard_like_policy, sum_across_processes
-from trainer.logprobs import chunked_logprobs, full_logits_logprobs
+from trainer.distributed import (
+    full_state_dict,
+    is_fsdp,
+    max_across_processes,
+    shard_like_policy,
+    sum_across_processes,
+)
 from trainer.lora import apply_lora, merged_state_dict, save_adapter
 from trainer.losses import policy_loss, truncated_is_weights
-
-PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
-"""Attention implementations that read packed sequences from position ids without a [T, T] mask
-(transformers' varlen paths); with sdpa and eager, packing builds a block-diagonal mask over the
-whole micro-batch, costlier than padding, so ``packing: null`` pads there."""
+from trainer.memory_budget import (
+    FIXED_TOKENS,
+    Budget,
+    BudgetProbe,
+    GiB,
+    device_meter,
+    probes_on,
+    rounded_length,
+)
+from trainer.policy_model import PolicyModel, enable_checkpointing, wants_checkpointing, wants_packing
 
 log = logging.getLogger(__name__)
-
-CHECKPOINTING_FROM_PARAMETERS = 100_000_000
-"""``gradient_checkpointing: null`` turns it on for models of at least this many parameters: every
-real language model, whose activations dominate a long micro-batch; off for the embedded model and
-other tiny ones, where it would only cost the recomputation (README, "Training at a real model's size")."""
-
-
-class PolicyModel(torch.nn.Module):
-    """A causal LM whose forward returns the logprobs (and entropy) of chosen next tokens, computed
-    from the final hidden states in chunks, instead of logits.
-
-    Its children are the LM's own (``model``, ``lm_head`` for Qwen2/Llama), so its state dict is the
-    LM's, key for key: checkpoints stay Hugging Face model directories. Every parameter is used
-    inside this module's forward, which DDP and FSDP need of the module they wrap.
-    """
-
-    def __init__(self, lm: PreTrainedModel):
-        super().__init__()
-        if any(True for _ in lm.named_parameters(recurse=False)):
-            raise ValueError(f"{type(lm).__name__} has parameters outside its submodules: not supported")
-        for name, child in lm.named_children():
-            self.add_module(name, child)
-        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP's auto-wrap reads it
-        object.__setattr__(self, "lm", lm)  # not a child: its modules are registered above
-
-    @property
-    def config(self) -> Any:
-        return self.lm.config
-
-    def tie_weights(self, *args: Any, **kwargs: Any) -> Any:
-        """The LM's own (Accelerate's FSDP loading re-ties the weights through the module it wraps)."""
-        return self.lm.tie_weights(*args, **kwargs)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                positions: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 1024,
-                with_entropy: bool = False, shared_prefix: int = 0,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Logprobs ``[M]`` of ``targets`` after the tokens at flat ``positions`` of ``input_ids``.
-
-        ``shared_prefix`` (SFT): the first tokens, the same in every row and not trained, run once
-        (batch 1) and their keys and values serve every row; ``positions`` then index the rows
-        without them (``[R, N - shared_prefix]``)."""
-        if chunk_tokens == 0:  # the computation before chunking: every position's logits at once
-            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).logits[:, shared_prefix:]  # fmt: skip
-            return full_logits_logprobs(logits.flatten(0, 1), positions, targets, temperature, with_entropy)
-        decoder = getattr(self, self.lm.base_model_prefix)
-        if shared_prefix:
-            cache = decoder(input_ids=input_ids[:1, :shared_prefix], use_cache=True).past_key_values
-            cache.batch_repeat_interleave(input_ids.shape[0])
-            hidden = decoder(input_ids=input_ids[:, shared_prefix:], past_key_values=cache,
-                             use_cache=True).last_hidden_state  # fmt: skip
-        else:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).last_hidden_state  # fmt: skip
-        hidden = hidden.flatten(0, 1).index_select(0, positions)
-        head = self.lm.get_output_embeddings()
-        return chunked_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature,
-                                chunk_tokens=chunk_tokens, with_entropy=with_entropy)  # fmt: skip
-
-
-def wants_checkpointing(setting: bool | None, model: torch.nn.Module) -> bool:
-    """``gradient_checkpointing``: as set, or (null) on for models of real size."""
-    if setting is not None:
-        return setting
-    return sum(p.numel() for p in model.parameters()) >= CHECKPOINTING_FROM_PARAMETERS
-
-
-def enable_checkpointing(lm: PreTrainedModel) -> None:
-    """Recompute each decoder layer in backward (non-reentrant: works under DDP and FSDP)."""
-    if not lm.supports_gradient_checkpointing:
-        raise ValueError(f"gradient_checkpointing: {type(lm).__name__} does not support it; set it to false")
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def wants_packing(setting: bool | None, lm: PreTrainedModel) -> bool:
-    """``packing``: as set, or (null) where the attention implementation reads packed sequences."""
-    if setting is not None:
-        return setting
-    return getattr(lm.config, "_attn_implementation", None) in PACKED_ATTENTION
-
-
-def compute_dtype(accelerator: Any) -> torch.dtype:
-    """The dtype the forward computes in: bf16/fp16 under mixed precision, else float32."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
 
 class Policy:
@@ -160,6 +87,10 @@ class Policy:
         if reference is not None:
             device = accelerator.device
             self.reference = shard_like_policy(accelerator, reference) if self.sharded else reference.to(device)
+        self.meter = device_meter(accelerator.device, config.memory_limit_gib)  # the update's peak memory
+        self.auto = config.micro_batch_tokens == "auto" and probes_on(accelerator.device, config.memory_limit_gib)
+        self.budget: Budget | None = None  # auto's decision, once probed
+        self.say: Callable[[str], None] = log.info  # (the trainer prints it)
 
     # ----- the model as others need it --------------------------------------------------------
 
@@ -256,26 +187,75 @@ class Policy:
         """``samples`` in micro-batches of at most ``micro_batch_size`` sequences and ``max_tokens``
         tokens (default ``micro_batch_tokens``), on the device."""
         config = self.config
-        budget = config.micro_batch_tokens if max_tokens is None else max_tokens
+        budget = self.micro_batch_tokens if max_tokens is None else max_tokens
         chunks = micro_batches(samples, config.micro_batch_size, budget, packed=self.packing)
         return [collate(chunk, self.pad_id, packed=self.packing).to(self.accelerator.device) for chunk in chunks]
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        """ppo_epochs optimizer steps over ``samples``. Out of memory on the device before the first
-        optimizer step (a longer trajectory than the budget was set for) is answered once: the step
-        starts again with half the micro-batch token budget (``oom_retries`` 1 in the metrics); a second
+        """ppo_epochs optimizer steps over ``samples``, with the metrics of the micro-batch budget and the
+        peak memory. Out of memory on the device before the first optimizer step (a longer trajectory
+        than the budget was set for) is answered once: the step starts again with half the micro-batch
+        token budget (``oom_retries`` 1 in the metrics; under ``auto`` the run keeps the half); a second
         is an ``UpdateOutOfMemory`` that names ``micro_batch_tokens`` and the longest sequence."""
+        self.plan_budget(samples)
         self.stepped = False  # set by the first optimizer step: after it, the step cannot run again
+        self.meter.reset_peak()
         try:
-            return {**self.update_once(samples, None), "oom_retries": 0}
+            metrics = {**self.update_once(samples, None), "oom_retries": 0}
         except torch.OutOfMemoryError as exc:
             budget = self.budget_after_oom(samples, exc)
             log.warning("out of memory in the update (%s); the step runs again with micro_batch_tokens %d",
                         str(exc).splitlines()[0][:200], budget)  # fmt: skip
-        try:
-            return {**self.update_once(samples, budget), "oom_retries": 1}
-        except torch.OutOfMemoryError as exc:
-            raise self.out_of_memory(samples, f"again with micro_batch_tokens {budget}", exc) from None
+            if self.budget is not None:
+                self.budget.tokens = budget
+            try:
+                metrics = {**self.update_once(samples, budget), "oom_retries": 1}
+            except torch.OutOfMemoryError as exc:
+                raise self.out_of_memory(samples, f"again with micro_batch_tokens {budget}", exc) from None
+        tokens = self.micro_batch_tokens
+        metrics["micro_batch_tokens"] = float(tokens) if tokens is not None else float("nan")
+        metrics["gradient_checkpointing"] = float(self.checkpointing)
+        metrics["peak_memory_gib"] = self.meter.peak() / GiB
+        return metrics
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """The token budget of a micro-batch: as configured, or what ``auto`` decided (8,192 where it
+        does not probe, and before its first probe)."""
+        setting = self.config.micro_batch_tokens
+        if setting != "auto":
+            return setting
+        return self.budget.tokens if self.budget is not None else FIXED_TOKENS
+
+    def plan_budget(self, samples: list[Sample]) -> None:
+        """Under ``auto``: probe (``trainer/memory_budget.py``) at the first step, and again when a step's
+        longest sequence exceeds the probed length or a capped budget meets a larger step; said once each."""
+        if not self.auto:
+            return
+        longest = max_across_processes(self.accelerator, longest_of(samples))  # (every process decides alike)
+        step_tokens = max_across_processes(self.accelerator, sum(len(s.input_ids) for s in samples))
+        if not longest:
+            return
+        budget = self.budget
+        grew = budget is None or longest > budget.probed_length or (budget.capped and step_tokens > budget.tokens)
+        if not grew:
+            return
+        length = rounded_length(longest)
+        setting = self.config.gradient_checkpointing
+        self.budget = BudgetProbe(self, self.meter, self.config.memory_headroom).decide(length, step_tokens, setting)
+        self.set_checkpointing(self.budget.checkpointing)
+        if self.accelerator.is_main_process:
+            self.say(self.budget.describe())
+
+    def set_checkpointing(self, on: bool) -> None:
+        """Turn gradient checkpointing of the decoder layers on or off."""
+        if on != self.checkpointing:
+            lm = self.language_model()
+            enable_checkpointing(lm) if on else lm.gradient_checkpointing_disable()
+            self.checkpointing = on
+
+    def min_across_processes(self, value: int) -> int:
+        return -max_across_processes(self.accelerator, -value)
 
     def budget_after_oom(self, samples: list[Sample], exc: torch.OutOfMemoryError) -> int:
         """The halved token budget of the retry; an UpdateOutOfMemory when the step cannot run again
@@ -285,15 +265,15 @@ class Policy:
         if self.accelerator.num_processes > 1:
             raise self.out_of_memory(samples, "in one of several processes", exc) from None
         self.release_update_memory()
-        used = self.config.micro_batch_tokens or max(len(chunk) * longest(chunk) for chunk in
-                                                     micro_batches(samples, self.config.micro_batch_size))  # fmt: skip
+        used = self.micro_batch_tokens or max(len(chunk) * longest_of(chunk) for chunk in
+                                              micro_batches(samples, self.config.micro_batch_size))  # fmt: skip
         return max(1, used // 2)
 
     def out_of_memory(self, samples: list[Sample], when: str, exc: torch.OutOfMemoryError) -> UpdateOutOfMemory:
         self.release_update_memory()
         return UpdateOutOfMemory(
-            f"out of memory in the update {when} (micro_batch_tokens {self.config.micro_batch_tokens}); the "
-            f"longest sequence has {longest(samples)} tokens: set micro_batch_tokens lower, turn "
+            f"out of memory in the update {when} (micro_batch_tokens {self.micro_batch_tokens}); the "
+            f"longest sequence has {longest_of(samples)} tokens: set micro_batch_tokens lower, turn "
             f"gradient_checkpointing on, or bound max_model_len. {str(exc).splitlines()[0][:300]}"
         )
 
@@ -371,10 +351,5 @@ class UpdateOutOfMemory(RuntimeError):
     """The update ran out of device memory twice; the message names the budget and the longest sequence."""
 
 
-def longest(samples: list[Sample]) -> int:
+def longest_of(samples: list[Sample]) -> int:
     return max((len(sample.input_ids) for sample in samples), default=0)
-
-
-def load_lm(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A local Hugging Face causal LM in ``dtype``."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)

@@ -42,7 +42,7 @@ from tools.base import BaseTool
 from trainer.checkpoints import quiet_transformers, save_adapter_dir, save_model_dir
 from trainer.config import SFTConfig
 from trainer.lora import apply_lora
-from trainer.policy import PolicyModel, enable_checkpointing, wants_checkpointing
+from trainer.policy_model import PolicyModel, enable_checkpointing, wants_checkpointing
 from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
 
 __all__ = ["RECIPES", "Batch", "Example", "SFTConfig", "calc_chat", "collate", "load_examples", "run_recipe", "run_sft",

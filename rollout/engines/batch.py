@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rollout.engines.config import LocalEngineConfig
-from rollout.engines.heap import trim_heap
+from rollout.engines.heap import give_back_memory, trim_heap
 from rollout.engines.kv_cache import KVBuffer, PrefixCache
 from rollout.engines.sampling import sample_tokens
 from rollout.engines.sequence import EngineStats, Sequence
@@ -45,6 +45,7 @@ class ModelBatch:
         self.weight_version = 0
         self.stats = EngineStats()
         self._shared_length: int | None = None  # None: the batch changed, recompute
+        self.shapes: dict[str, torch.Size] = {}  # each parameter's, while its memory is released (colocation)
 
     @torch.inference_mode()
     def step(
@@ -82,6 +83,37 @@ class ModelBatch:
         if not self.running:
             self.kv.shrink()
             trim_heap()
+
+    def release_memory(self) -> int:
+        """Colocation: give back the KV buffers, the prefix cache and the weights' storage (their shapes
+        are kept); the bytes let go. Nothing may be running."""
+        if self.running:
+            raise RuntimeError("the engine's memory can be released only while nothing runs")
+        parameters = dict(self.model.named_parameters())
+        weights = sum(p.numel() * p.element_size() for p in parameters.values())
+        freed = self.kv.nbytes + self.prefix_cache.nbytes + weights
+        self.kv.release()
+        self.prefix_cache.clear()
+        self.shapes = {name: parameter.shape for name, parameter in parameters.items()}
+        for parameter in parameters.values():
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+        self._shared_length = None
+        give_back_memory(self.device)
+        return freed
+
+    def resume_memory(self, state_dict: dict[str, Any], version: int) -> int:
+        """After ``release_memory``: the weights' storage again, filled from ``state_dict`` (which must
+        hold every parameter), and the KV buffers; the bytes taken."""
+        parameters = dict(self.model.named_parameters())
+        missing = sorted(name for name in parameters if name not in state_dict)
+        if missing:
+            raise ValueError(f"the engine's weights were released and {missing[:3]} are not in the update")
+        for name, parameter in parameters.items():
+            parameter.data = torch.empty(self.shapes[name], dtype=parameter.dtype, device=parameter.device)
+        self.shapes = {}
+        self.load_weights(state_dict, version)
+        self.kv.reallocate()
+        return self.kv.nbytes + sum(p.numel() * p.element_size() for p in parameters.values())
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)

@@ -27,3 +27,14 @@ def trim_heap() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def give_back_memory(device: object) -> None:
+    """What was freed goes back for others: the CUDA allocator's cached blocks (another process, or the
+    trainer's own allocations, can take them), the C heap's free pages on the CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.empty_cache()
+    else:
+        trim_heap()

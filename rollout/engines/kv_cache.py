@@ -103,6 +103,24 @@ class KVBuffer:
         self._allocate(*INITIAL_SHAPE)
         return True
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold (allocated, used or not)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.mask))
+
+    @torch.inference_mode()
+    def release(self) -> None:
+        """Give every buffer back (colocation: the trainer needs the memory); ``reallocate`` takes it back."""
+        self.keys, self.values = [], []
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.num_rows = self.width = 0
+
+    @torch.inference_mode()
+    def reallocate(self) -> None:
+        """The buffers of ``INITIAL_SHAPE`` again, after ``release``."""
+        if not self.keys:
+            self._allocate(*INITIAL_SHAPE)
+
     def compact(self) -> None:
         """Move every row's valid columns to the front, shrinking ``width`` to the longest row."""
         rows, width = self.num_rows, self.width

@@ -54,6 +54,7 @@ class LocalEngine:
         self._wake = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
+        self.released = False  # colocation: the KV cache and the weights' storage are given back
 
     @property
     def weight_version(self) -> int:
@@ -94,6 +95,7 @@ class LocalEngine:
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
         if self._task is None:
             raise EngineError("LocalEngine is not running: use it inside 'async with engine:'")
+        self.check_resident(rid)
         if not input_ids:
             raise EngineError(f"request {rid}: empty input_ids")
         self.check_token_ids(input_ids, rid)
@@ -108,6 +110,11 @@ class LocalEngine:
             self._aborts.add(rid)  # stop spending compute on it
             self._wake.set()
             raise
+
+    def check_resident(self, rid: str) -> None:
+        if self.released:
+            raise EngineError(f"request {rid}: the engine's memory is released for the update (colocation); "
+                              "it takes it back with the next weights")  # fmt: skip
 
     def check_token_ids(self, input_ids: list[int], rid: str) -> None:
         """A token id outside the vocabulary would fail the whole batch's step: refuse it here."""
@@ -127,6 +134,7 @@ class LocalEngine:
         if not input_ids or len(input_ids) >= self.max_model_len:
             yield await self.generate(input_ids, sampling, rid)
             return
+        self.check_resident(rid)
         self.check_token_ids(input_ids, rid)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         seq = Sequence(rid, list(input_ids), sampling, future, progress=asyncio.Queue())
@@ -151,6 +159,9 @@ class LocalEngine:
         self._wake.set()
 
     async def update_weights(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        if self.released:  # (the weights' storage is empty: the update is ``resume_memory``)
+            await self.resume_memory(state_dict, weight_version)
+            return self.weight_version
         check_state_dict(self.model, state_dict)  # a bad update must not reach the batch (and fail its requests)
         version = self.weight_version + 1 if weight_version is None else weight_version
         if self._task is None:
@@ -160,6 +171,34 @@ class LocalEngine:
         self._pending_weights.append((state_dict, version, future))
         self._wake.set()
         return await future
+
+    async def release_memory(self) -> int:
+        """Colocation: give back the KV cache, the prefix cache and the weights' storage while the trainer
+        updates (nothing may be in flight); the bytes let go. ``resume_memory`` takes them back."""
+        if self._waiting or self._batch.running or self._pending_weights:
+            raise EngineError("LocalEngine.release_memory: requests are in flight; release it between rollouts")
+        if self.released:
+            return 0
+        freed = await self._on_worker(self._batch.release_memory)
+        self.released = True
+        return freed
+
+    async def resume_memory(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
+        """After ``release_memory``: the weights rebuilt from ``state_dict`` (every parameter) as
+        ``weight_version``, and the KV cache; the bytes taken."""
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        try:
+            taken = await self._on_worker(self._batch.resume_memory, state_dict, version)
+        except ValueError as exc:
+            raise EngineError(f"LocalEngine.resume_memory: {exc}") from exc
+        self.released = False
+        return taken
+
+    async def _on_worker(self, function: Any, *args: Any) -> Any:
+        """``function`` on the model's worker thread (after any step running there), or here when stopped."""
+        if self._executor is None:
+            return function(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
     async def abort(self, rid: str | None = None) -> None:
         self._aborts.add(rid)

@@ -148,6 +148,7 @@ class TokenizerManager:
         self.weight_updates: list[UpdateWeightsFromTensorReqInput] = []
         self.update_result = (True, "Succeeded to update model weights.")
         self.memory_requests: list[tuple[str, list[str] | None]] = []
+        self.events: list[str] = []  # releases, resumes and weight updates, in order ("release:all", ...)
         self.flushes = 0
         self.flush_success = True
         self.running = 0
@@ -166,6 +167,7 @@ class TokenizerManager:
             while self.running:
                 await asyncio.sleep(0.001)
             self.weight_updates.append(obj)
+            self.events.append("update_weights")
             if self.update_result[0] and obj.weight_version is not None:
                 self.weight_version = obj.weight_version
             return self.update_result
@@ -173,10 +175,14 @@ class TokenizerManager:
             self.updating = False
 
     async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request: Any = None) -> None:
+        # SGLang asserts the scheduler is idle (weight_updater.release_memory_occupation)
+        assert not self.running, "release_memory_occupation should be called only when server is idle."
         self.memory_requests.append(("release", obj.tags))
+        self.events.append("release:" + ",".join(obj.tags or ["all"]))
 
     async def resume_memory_occupation(self, obj: ResumeMemoryOccupationReqInput, request: Any = None) -> None:
         self.memory_requests.append(("resume", obj.tags))
+        self.events.append("resume:" + ",".join(obj.tags or ["all"]))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         self.flushes += 1
