@@ -155,7 +155,7 @@ class Budget:
     fits: bool = True
     """False: not even one sequence of ``probed_length`` fitted the target; the budget is that sequence."""
     capped: bool = False
-    """The budget is the step's size (or ``MAX_TOKENS``), not the memory's: a larger step probes again."""
+    """The budget is the step's size (or ``MAX_TOKENS``), not the memory's: a step twice as large probes again."""
     target_share: float = 0.85
     """The share of ``limit`` the peak aims at (1 - ``memory_headroom``)."""
 

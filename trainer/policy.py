@@ -229,7 +229,8 @@ class Policy:
 
     def plan_budget(self, samples: list[Sample]) -> None:
         """Under ``auto``: probe (``trainer/memory_budget.py``) at the first step, and again when a step's
-        longest sequence exceeds the probed length or a capped budget meets a larger step; said once each."""
+        longest sequence exceeds the probed length or a budget the step's size capped meets a step of
+        twice that size (steps vary: not at every larger one); said once each."""
         if not self.auto:
             return
         longest = max_across_processes(self.accelerator, longest_of(samples))  # (every process decides alike)
@@ -237,7 +238,7 @@ class Policy:
         if not longest:
             return
         budget = self.budget
-        grew = budget is None or longest > budget.probed_length or (budget.capped and step_tokens > budget.tokens)
+        grew = budget is None or longest > budget.probed_length or (budget.capped and step_tokens > 2 * budget.tokens)
         if not grew:
             return
         length = rounded_length(longest)
