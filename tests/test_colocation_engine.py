@@ -61,6 +61,10 @@ async def test_an_update_while_released_is_the_resume_and_a_partial_one_is_refus
         with pytest.raises(EngineError, match="are not in the update"):
             await engine.resume_memory(partial, 1)
         assert engine.released
+        wrong = {**weights, "lm_head.weight": weights["lm_head.weight"][:-1]}
+        with pytest.raises(EngineError, match="lm_head.weight has shape"):
+            await engine.resume_memory(wrong, 1)
+        assert engine.released
         assert await engine.update_weights(weights, weight_version=2) == 2
         assert not engine.released
         assert (await engine.generate(PROMPTS[0], GREEDY, "back")).output_ids
@@ -76,3 +80,11 @@ async def test_release_is_refused_while_requests_are_in_flight(tiny_model):
             await engine.release_memory()
         await running
         assert await engine.release_memory() > 0
+
+
+async def test_resume_without_a_release_is_a_plain_update(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    async with LocalEngine(model, LocalEngineConfig(device="cpu", max_model_len=64)) as engine:
+        assert await engine.resume_memory(weights, 4) == 0
+        assert engine.weight_version == 4 and not engine.released

@@ -45,7 +45,7 @@ class ModelBatch:
         self.weight_version = 0
         self.stats = EngineStats()
         self._shared_length: int | None = None  # None: the batch changed, recompute
-        self.shapes: dict[str, torch.Size] = {}  # each parameter's, while its memory is released (colocation)
+        self.shapes: dict[str, torch.Size] = {}  # each state-dict entry's, while the memory is released (colocation)
 
     @torch.inference_mode()
     def step(
@@ -94,7 +94,7 @@ class ModelBatch:
         freed = self.kv.nbytes + self.prefix_cache.nbytes + weights
         self.kv.release()
         self.prefix_cache.clear()
-        self.shapes = {name: parameter.shape for name, parameter in parameters.items()}
+        self.shapes = {name: tensor.shape for name, tensor in self.model.state_dict(keep_vars=True).items()}
         for parameter in parameters.values():
             parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
         self._shared_length = None
@@ -108,6 +108,13 @@ class ModelBatch:
         missing = sorted(name for name in parameters if name not in state_dict)
         if missing:
             raise ValueError(f"the engine's weights were released and {missing[:3]} are not in the update")
+        unknown = sorted(name for name in state_dict if name not in self.shapes)
+        if unknown:
+            raise ValueError(f"unknown parameters {unknown[:3]}")
+        wrong = [name for name in state_dict if tuple(state_dict[name].shape) != tuple(self.shapes[name])]
+        if wrong:
+            raise ValueError(f"{wrong[0]} has shape {tuple(state_dict[wrong[0]].shape)}, the engine's is "
+                             f"{tuple(self.shapes[wrong[0]])}")  # fmt: skip
         for name, parameter in parameters.items():
             parameter.data = torch.empty(self.shapes[name], dtype=parameter.dtype, device=parameter.device)
         self.shapes = {}

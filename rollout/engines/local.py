@@ -179,17 +179,23 @@ class LocalEngine:
             raise EngineError("LocalEngine.release_memory: requests are in flight; release it between rollouts")
         if self.released:
             return 0
-        freed = await self._on_worker(self._batch.release_memory)
-        self.released = True
-        return freed
+        self.released = True  # (new requests are refused from now on, while the worker lets go)
+        try:
+            return await self._on_worker(self._batch.release_memory)
+        except BaseException:
+            self.released = False
+            raise
 
     async def resume_memory(self, state_dict: dict[str, Any], weight_version: int | None = None) -> int:
         """After ``release_memory``: the weights rebuilt from ``state_dict`` (every parameter) as
-        ``weight_version``, and the KV cache; the bytes taken."""
+        ``weight_version``, and the KV cache; the bytes taken (0 where nothing was released: a plain update)."""
+        if not self.released:
+            await self.update_weights(state_dict, weight_version)
+            return 0
         version = self.weight_version + 1 if weight_version is None else weight_version
         try:
             taken = await self._on_worker(self._batch.resume_memory, state_dict, version)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:  # a parameter missing, or of another shape
             raise EngineError(f"LocalEngine.resume_memory: {exc}") from exc
         self.released = False
         return taken
