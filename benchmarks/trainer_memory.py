@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -154,6 +153,7 @@ def measure(row: Row, repeats: int, chunk_tokens: int = 1024, memory_limit_gib: 
 
     from trainer.config import GRPOConfig, LoRAConfig
     from trainer.distributed import make_accelerator
+    from trainer.memory_budget import RssMeter
     from trainer.policy import Policy
 
     cuda = torch.cuda.is_available()
@@ -206,22 +206,9 @@ def measure(row: Row, repeats: int, chunk_tokens: int = 1024, memory_limit_gib: 
             per_token = 6 * parameters + 6 * shape["num_hidden_layers"] * shape["hidden_size"] * row.tokens
             result["mfu"] = per_token * tokens / statistics.median(seconds) / peak
     else:
-        result["peak_gib"] = peak_rss_bytes() / 2**30
+        result["peak_gib"] = RssMeter().peak() / 2**30  # VmHWM: this process's own peak RSS
         result["device"] = f"CPU, {torch.get_num_threads()} threads"
     return result
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: ``VmHWM`` of its own address space on Linux (``ru_maxrss``
-    would count the parent's memory at the fork as well: Linux carries it over ``exec``)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_row(row: Row, repeats: int, timeout: float, chunk_tokens: int = 1024,

@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import sys
 import time
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +29,12 @@ from data.config_tree import ConfigError
 from rollout.engines.base import PushesWeights
 from rollout.engines.config import SGLangEngineConfig
 from rollout.engines.heap import give_back_memory
+from trainer.memory_budget import GiB
 
 if TYPE_CHECKING:
     from trainer.config import GRPOConfig
     from trainer.weight_source import PolicyWeights
 
-GiB = 2**30
 SGLANG_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang's memory tags (``sglang/srt/constants.py``): released together, resumed weights first."""
 MISSING_SAVER = (
@@ -76,7 +77,7 @@ def prepare_sglang(config: SGLangEngineConfig) -> SGLangEngineConfig:
     return dataclasses.replace(config, server_args={**config.server_args, "enable_memory_saver": True})
 
 
-class Colocation:
+class Colocation(ABC):
     """Releases an in-process engine's memory before the update and takes it back with the new weights;
     ``metrics`` are the last step's (``colocate/`` in metrics.jsonl)."""
 
@@ -104,11 +105,14 @@ class Colocation:
     def metrics(self) -> dict[str, float]:
         return dict(self.last)
 
+    @abstractmethod
     async def release_engine(self) -> int:
-        raise NotImplementedError
+        """Release the engine's memory; the bytes released."""
 
+    @abstractmethod
     async def resume_engine(self, weights: PolicyWeights, version: int) -> int:
-        raise NotImplementedError
+        """Take the memory back with the weights of ``version`` (a plain update where nothing was
+        released); the bytes taken."""
 
 
 class LocalColocation(Colocation):
@@ -118,10 +122,7 @@ class LocalColocation(Colocation):
         return await self.engine.release_memory()
 
     async def resume_engine(self, weights: PolicyWeights, version: int) -> int:
-        if not self.released:
-            await self.engine.update_weights(weights.state_dict(), weight_version=version)
-            return 0
-        return await self.engine.resume_memory(weights.state_dict(), version)
+        return await self.engine.resume_memory(weights.state_dict(), version)  # (not released: an update)
 
 
 class SGLangColocation(Colocation):

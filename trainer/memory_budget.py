@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,23 +45,23 @@ MAX_TOKENS = 262_144
 """The largest budget probed: beyond it no card runs faster, and the probe's last micro-batch stays short."""
 
 
-class MemoryMeter:
+class MemoryMeter(ABC):
     """Peak and current memory of this process on one device, and the most it may use."""
 
     def __init__(self, limit_gib: float | None = None):
         self.limit_gib = limit_gib
 
-    def reset_peak(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def reset_peak(self) -> None: ...
 
-    def peak(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def peak(self) -> int: ...
 
-    def current(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def current(self) -> int: ...
 
-    def limit(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def limit(self) -> int: ...
 
     def settle(self) -> None:
         """Let freed memory go, so that the next reading is what is alive."""
