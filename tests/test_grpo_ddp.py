@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from data.tiny_model import TinyModelConfig, save_tiny_model
+from tests import accelerate_runs
 
 SCRIPT = Path(__file__).with_name("ddp_grpo_step.py")
 
 
 def launch(processes: int, model_dir: Path, out: Path, mode: str = "sync") -> dict:
-    accelerate = shutil.which("accelerate")
-    if accelerate is None:
-        pytest.fail("the accelerate command is not installed")
     result = out / "result.pt"
     # on a CPU machine, --multi_gpu starts torchrun workers and the trainer picks gloo; one process
     # is a plain launch
     spread = ["--multi_gpu"] if processes > 1 else []
-    command = [
-        accelerate, "launch", *spread, "--num_processes", str(processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(SCRIPT), str(model_dir), str(out / "run"), str(result), mode,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    accelerate_runs.launch([*spread, "--num_processes", str(processes)], SCRIPT,
+                           [str(model_dir), str(out / "run"), str(result), mode], cwd=out)  # fmt: skip
     return torch.load(result)
 
 

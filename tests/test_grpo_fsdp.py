@@ -4,9 +4,6 @@ full weights for their in-process engines and for `final/`, and resume from a ch
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.tiny_model import TinyModelConfig, save_tiny_model
+from tests import accelerate_runs
 
 pytestmark = pytest.mark.slow  # two accelerate-launched processes, about 75 s
 
@@ -24,16 +22,9 @@ PLAIN = ["--num_processes", "1"]
 
 
 def launch(spread: list[str], model_dir: Path, out: Path, steps: int, resume: bool = False) -> dict:
-    accelerate = shutil.which("accelerate")
-    if accelerate is None:
-        pytest.fail("the accelerate command is not installed")
     result = out / f"result-{steps}{'-resumed' if resume else ''}.pt"
-    command = [accelerate, "launch", *spread, "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", str(SCRIPT), str(model_dir), str(out / "run"), str(result), str(steps),
-               "resume" if resume else ""]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    accelerate_runs.launch(spread, SCRIPT, [str(model_dir), str(out / "run"), str(result), str(steps),
+                                            "resume" if resume else ""], cwd=out)  # fmt: skip
     return torch.load(result)
 
 
