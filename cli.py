@@ -10,7 +10,6 @@ they run (``_register_more_commands``), the options they share in ``data/command
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from data.command_options import AGENT_HELP, CONFIG_HELP, ENGINE_SERVER_HELP, SE
 from data.command_options import errors_for_people as _errors_for_people
 from data.console import console
 from data.console import fail as _fail
+from rollout.event_loop import run as run_on_loop
 
 app = typer.Typer(
     name="rallyrl",
@@ -137,7 +137,8 @@ def rollout(
         with _errors_for_people():
             stack.enter_context(output_lock(out_path))  # held until the command ends
             done = finished_pairs(out_path, len(records), job.samples_per_prompt) if job.resume else set()
-            summary, ran, first_error = asyncio.run(rollout_summary(job, records, skip=done, console=console))
+            summary, ran, first_error = run_on_loop(rollout_summary(job, records, skip=done, console=console),
+                                                    job.event_loop)  # fmt: skip
     except KeyboardInterrupt:
         total = len(records) * job.samples_per_prompt
         finished = count_lines(out_path)
@@ -302,7 +303,7 @@ def evaluate(
         model_dir = resolve_model(eval_config.model)  # a bad setting or model fails before torch loads
         from trainer.evaluation import breakdown_table, run_eval, write_markdown_report
 
-        report = asyncio.run(run_eval(eval_config))
+        report = run_on_loop(run_eval(eval_config), eval_config.event_loop)
     accuracy = "-" if report["accuracy"] is None else f"{report['accuracy']:.3f}"  # None: nothing graded
     console.print(
         f"{model_dir}: greedy accuracy {accuracy} on {report['prompts']} prompts; "

@@ -110,7 +110,7 @@ SYNC = {  # (owner, attribute): piece
     (AsyncRolloutRequest, "append_context"): "token lists (ids, mask, logprobs, versions)",
 }
 ASYNC = {
-    (SGLangHTTPEngine, "generate"): "HTTP round trip (engine client, aiohttp)",
+    (SGLangHTTPEngine, "generate"): "HTTP round trip (engine client, http_wire)",
     (SimTool, "create"): "the tool itself (create, execute, reward, release)",
     (SimTool, "execute"): "the tool itself (create, execute, reward, release)",
     (SimTool, "calc_reward"): "the tool itself (create, execute, reward, release)",

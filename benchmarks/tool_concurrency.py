@@ -9,7 +9,8 @@ latencies: (a) rallyrl, ``RolloutRunner`` over ``sglang_http`` against the simul
 (``benchmarks/bare_client.py``: raw aiohttp, text in and out), the yardstick of client CPU;
 (c) the batch-level baseline, a real client; each against a fresh simulated server; (d) the
 bound, a discrete-event simulation of the same server with zero client cost
-(``benchmarks/bound.py``), for an asynchronous client and for a batch-level one.
+(``benchmarks/bound.py``), for an asynchronous client and for a batch-level one; (e) where uvloop is
+installed (``rallyrl[uvloop]``), rallyrl again on uvloop, its CPU ratio to the bare client on asyncio's loop.
 
 Reported: makespan, trajectories/s, efficiency (bound / measured), speedup over the
 batch-level baseline, p50 and p99 request latency, engine utilisation (busy slots over
@@ -28,7 +29,6 @@ simulated servers are stopped on every way out (Ctrl-C and SIGTERM included).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import subprocess
@@ -51,11 +51,15 @@ from benchmarks.sim_server import raise_fd_limit
 from benchmarks.waits import finish_within, read_line, stop_process
 from benchmarks.workloads import QUICK, WORKLOADS, Scenario, Workload
 from data.files import atomic_write_bytes, atomic_write_with
+from rollout.event_loop import run as run_on_loop
+from rollout.event_loop import uvloop_installed
 from rollout.serve.processes import stop_on_sigterm
 
 COLORS = {"running": "#3b76af", "tool": "#ef8636", "user": "#519e3e"}
 SERVER_READY_S = 60.0
 """Deadline of a simulated server's start (until it says ``ready``)."""
+UVLOOP_ROW = "rallyrl on uvloop"
+"""The row of rallyrl on uvloop (where installed); its CPU ratio is to the bare client on asyncio's loop."""
 RUN_TIMEOUT_S = 600.0
 """Deadline of one client's run against a simulated server (the full workloads take under a minute)."""
 
@@ -141,14 +145,17 @@ def run_workload(workload: Workload, console: Console, rounds: int = 1,
     console.print(f"[bold]{workload.describe()}[/]", highlight=False)
     bound = asynchronous_bound(scenario, keep_segments=True)
     batch_bound = batch_level_bound(scenario)
-    measured: dict[str, list[tuple[ClientRun, dict]]] = {"rallyrl": [], "bare": [], "batch-level": []}
-    order = [("rallyrl", run_rallyrl), ("bare", run_bare)] * rounds + [("batch-level", run_batch_level)]
-    for name, client in order:
+    one_round = [("rallyrl", run_rallyrl, "asyncio"), ("bare", run_bare, "asyncio")]
+    if uvloop_installed():  # rallyrl on uvloop, against the same bare client (on asyncio's loop)
+        one_round.append((UVLOOP_ROW, run_rallyrl, "uvloop"))
+    order = one_round * rounds + [("batch-level", run_batch_level, "asyncio")]
+    measured: dict[str, list[tuple[ClientRun, dict]]] = {name: [] for name, _, _ in order}
+    for name, client, loop in order:
         scenario = Scenario.build(workload)  # a fresh tool (its rate limit) for each client
         with sim_server(scenario) as (url, stats):
             started = time.monotonic()
             what = f"{workload.name}: the {name} client's run"
-            run = asyncio.run(finish_within(client(scenario, url), run_timeout_s, what, "--run-timeout-s"))
+            run = run_on_loop(finish_within(client(scenario, url), run_timeout_s, what, "--run-timeout-s"), loop)
             measured[name].append((run, stats()))
         console.print(
             f"  {name}: {run.makespan_s:.2f} s, {run.cpu_s / max(run.turns, 1) * 1e6:.0f} us CPU per turn "
@@ -161,11 +168,14 @@ def run_workload(workload: Workload, console: Console, rounds: int = 1,
         bound_row("bound", bound, batch_bound.makespan_s, workload),
         client_row("rallyrl", runs["rallyrl"][0], bound, baseline_s, runs["rallyrl"][1], workload),
         client_row("bare", runs["bare"][0], bound, baseline_s, runs["bare"][1], workload),
+        *([client_row(UVLOOP_ROW, runs[UVLOOP_ROW][0], bound, baseline_s, runs[UVLOOP_ROW][1], workload)]
+          if UVLOOP_ROW in runs else []),
         bound_row("batch-level bound", batch_bound, None, workload),
         client_row("batch-level", runs["batch-level"][0], batch_bound, None, runs["batch-level"][1], workload),
-    ]
-    for row in rows[1:3]:
-        row["client_cpu_per_turn_rounds_us"] = [_cpu_per_turn_us(run) for run, _ in measured[row["system"]]]
+    ]  # fmt: skip
+    for row in rows:
+        if row["system"] in measured and row["system"] != "batch-level":
+            row["client_cpu_per_turn_rounds_us"] = [_cpu_per_turn_us(run) for run, _ in measured[row["system"]]]
     bare_cpu = rows[2]["client_cpu_per_turn_us"]
     for row in rows:
         if "client_cpu_per_turn_us" in row:

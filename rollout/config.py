@@ -14,6 +14,8 @@ from typing import Literal
 
 from data.config_tree import check_fields
 from rollout.engines.config import EngineConfig, LocalEngineConfig
+from rollout.event_loop import EventLoop
+from rollout.event_loop import resolve as resolve_event_loop
 from rollout.gateway_config import GatewayConfig
 from rollout.limits import ServeLimits
 
@@ -203,11 +205,15 @@ class CommonConfig:
     or ``OMP_NUM_THREADS``)."""
     progress: bool = True
     """Show progress bars."""
+    event_loop: EventLoop = "auto"
+    """The event loop the command runs on: ``auto`` (uvloop where installed, ``pip install
+    'rallyrl[uvloop]'``, else asyncio's), ``asyncio`` or ``uvloop`` (``rollout/event_loop.py``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        resolve_event_loop(self.event_loop)
 
 
 @dataclass

@@ -9,7 +9,7 @@ the time spent in each state.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -206,17 +206,23 @@ class AsyncRolloutRequest:
             "logprobs": self.logprobs,
             "weight_versions": self.weight_versions,
             "reward": self.rewards.final,  # the top-level key readers (sft, show, export) use
-            "rewards": asdict(self.rewards),
+            "rewards": _fields(self.rewards),
             "turns": self.metrics.turns,
-            "tool_calls": [asdict(call) for call in self.tool_calls],
-            "interaction_turns": [asdict(turn) for turn in self.interaction_turns],
-            "metrics": asdict(self.metrics),
+            "tool_calls": [_fields(call) for call in self.tool_calls],
+            "interaction_turns": [_fields(turn) for turn in self.interaction_turns],
+            "metrics": _fields(self.metrics),
             "consistency_diff": self.consistency_diff,
             **({"history_rewrite": self.history_rewrite} if self.history_rewrite else {}),  # (only when declared)
-            "segments": [asdict(segment) for segment in self.segments],
+            "segments": [_fields(segment) for segment in self.segments],
             "trace": [{"state": e.state.value, "t": round(e.t - start, 6)} for e in self.trace],
             "trace_start": start,
         }
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    """A flat dataclass's fields as a dict, its containers shared (``dataclasses.asdict`` deep-copies
+    every list and dict: 0.4 ms of a request's record, written once per request)."""
+    return dict(vars(record))
 
 
 TRAJECTORY_FIELDS = (

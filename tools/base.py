@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+from tools.schema_check import ArgumentsCheck
 
 
 @dataclass
@@ -81,30 +80,20 @@ class BaseTool(ABC):
         self._instances.pop(instance_id, None)
 
     @cached_property
-    def _validator(self) -> Draft202012Validator:
+    def _check(self) -> ArgumentsCheck:
         parameters = self.schema["function"].get("parameters") or {"type": "object"}
-        try:
-            Draft202012Validator.check_schema(parameters)
-        except SchemaError as exc:
-            raise ValueError(f"tool {self.name!r}: invalid parameters schema: {exc.message}") from None
-        return Draft202012Validator(parameters)
+        return ArgumentsCheck(parameters, f"tool {self.name!r}")
 
     def check_arguments(self, arguments: dict[str, Any]) -> str | None:
-        """A readable message when ``arguments`` break the schema's parameters, else None."""
+        """A readable message when ``arguments`` break the schema's parameters, else None (the schema
+        compiled once per tool: ``tools/schema_check.py``)."""
         if not arguments:  # {}: the same verdict every time
             return self._empty_arguments_problem
-        return self._problems(arguments)
+        return self._check(arguments)
 
     @cached_property
     def _empty_arguments_problem(self) -> str | None:
-        return self._problems({})
-
-    def _problems(self, arguments: dict[str, Any]) -> str | None:
-        problems = [
-            (f"{'.'.join(map(str, e.absolute_path))}: " if e.absolute_path else "") + e.message
-            for e in self._validator.iter_errors(arguments)
-        ]
-        return "; ".join(problems) or None
+        return self._check({})
 
     def instance(self, instance_id: str) -> dict[str, Any]:
         """The state dict of a live instance; a clear ToolError for an unknown id."""

@@ -41,6 +41,7 @@ from rollout.api import (
     setup_tools,
 )
 from rollout.engines.base import Engine, PushesWeights
+from rollout.event_loop import run as run_on_loop
 from rollout.gateway.agents import AgentDriver, load_agent
 from rollout.request import AsyncRolloutRequest
 from rollout.runner import RolloutRunner
@@ -354,6 +355,6 @@ class GRPOTrainer(RunFiles):
 def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:
     """Run GRPO from a config (the ``rallyrl train`` entry point)."""
     trainer = GRPOTrainer(config)
-    history = asyncio.run(trainer.train(resume=resume))
+    history = run_on_loop(trainer.train(resume=resume), config.event_loop)
     trainer.accelerator.end_training()  # the process group, before the interpreter exits
     return history

@@ -1,6 +1,7 @@
-"""The HTTP plumbing every server client shares (``sglang_http.py``, ``vllm_http.py``): one
-``aiohttp.ClientSession`` per server, created and closed by ``async with``, with a connection pool
-sized for thousands of requests in flight; per-path URLs parsed once; transient failures
+"""The HTTP plumbing every server client shares (``sglang_http.py``, ``vllm_http.py``): per server, the
+thin keep-alive client of ``http_wire.py`` for every request (a pool sized for thousands of requests in
+flight, each request one pre-encoded write) and an ``aiohttp.ClientSession`` for weight uploads in
+pieces, both created and closed by ``async with``; transient failures
 (connection errors, timeouts, HTTP 408 / 429 / 5xx) raised as ``RetryableError`` and retried with
 exponential backoff and full jitter (``rollout/retry.py``); control calls named in their errors;
 ``/health``; and the calls of a weight update, which are never retried (a step of an update is not
@@ -23,6 +24,7 @@ import yarl
 from rollout.deadlines import timeout_after
 from rollout.engines.base import EngineError
 from rollout.engines.config import SGLangHTTPConfig
+from rollout.engines.http_wire import ConnectTimeout, WireClient, WireError, decode_json_or_text
 from rollout.engines.server_adapters import ServesAdapters
 from rollout.retry import RETRY_STATUSES, Backoff, call_with_retries
 
@@ -80,7 +82,8 @@ class ServerHTTPClient(ServesAdapters):
         self.config = config or SGLangHTTPConfig()
         self.weight_version = 0
         self.in_flight = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # weight uploads in pieces
+        self._wire: WireClient | None = None  # every other request
         self._urls: dict[str, yarl.URL] = {}
         self._backoff = Backoff(self.config.backoff_s, self.config.backoff_max_s)
         self._init_adapters()
@@ -88,12 +91,19 @@ class ServerHTTPClient(ServesAdapters):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
+    def sockets_for(self, in_flight: int) -> int:
+        """Sockets ``in_flight`` requests hold: one each, at most ``max_connections``."""
+        limit = self.config.max_connections
+        return min(in_flight, limit) if limit else in_flight
+
     async def __aenter__(self) -> Self:
         # idle connections closed before the server's own keep-alive (uvicorn: 5 s) can close them under a
         # request: a weight call, not retried, written onto a connection the server just closed fails
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0, force_close=False,
                                          keepalive_timeout=KEEPALIVE_S)  # fmt: skip
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        self._wire = WireClient(self.url, self.config.max_connections, self.config.connect_timeout_s, KEEPALIVE_S,
+                                headers)  # fmt: skip
         self._session = aiohttp.ClientSession(
             connector=connector,
             headers=headers,
@@ -108,6 +118,9 @@ class ServerHTTPClient(ServesAdapters):
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
 
     async def _with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, retried on RetryableError with this client's backoff (``rollout/retry.py``)."""
@@ -124,6 +137,11 @@ class ServerHTTPClient(ServesAdapters):
             url = self._urls[path] = yarl.URL(self.url + path)
         return url
 
+    def _require_wire(self) -> WireClient:
+        if self._wire is None:
+            raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
+        return self._wire
+
     def _require_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise EngineError(f"{self!r} is not open: use it inside 'async with engine:'")
@@ -135,30 +153,26 @@ class ServerHTTPClient(ServesAdapters):
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
         """Send one request, return the decoded body (JSON or text). Transient failures raise RetryableError.
-        ``timeout_s`` bounds the whole exchange through ``rollout.deadlines`` (aiohttp's own per-request
-        timer costs more; the connect timeout stays aiohttp's)."""
-        session, url = self._require_session(), self._url(path)
+        ``timeout_s`` bounds the whole exchange through ``rollout.deadlines``; the connect timeout is the
+        wire client's. On the thin client of ``http_wire.py``: one pre-encoded request, no per-call
+        header or URL building."""
+        wire = self._require_wire()
         body = None if payload is None else orjson.dumps(payload)
-        headers = None if payload is None else JSON_HEADERS
         try:
             with timeout_after(timeout_s):
-                async with session.request(method, url, data=body, headers=headers) as response:
-                    raw = await response.read()
-                    status = response.status
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise RetryableError(f"{method} {url}: no connection within {self.config.connect_timeout_s:g} s") from exc
+                status, raw = await wire.request(method, path, body)
+        except ConnectTimeout as exc:
+            raise RetryableError(f"{method} {self.url}{path}: {exc}") from exc
         except TimeoutError as exc:
-            raise RetryableError(f"{method} {url} timed out after {timeout_s:g} s") from exc
-        except aiohttp.ClientError as exc:  # refused, reset, disconnected mid-response
-            raise RetryableError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+            raise RetryableError(f"{method} {self.url}{path} timed out after {timeout_s:g} s") from exc
+        except WireError as exc:  # refused, reset, disconnected mid-response
+            raise RetryableError(f"{method} {self.url}{path}: {exc}") from exc
         if status in RETRY_STATUSES:
-            raise RetryableError(f"{method} {url} answered HTTP {status}: {raw[:200].decode(errors='replace')}", status)
+            raise RetryableError(f"{method} {self.url}{path} answered HTTP {status}: "
+                                 f"{raw[:200].decode(errors='replace')}", status)  # fmt: skip
         if status >= 400:
-            raise EngineError(f"{method} {url} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
-        try:
-            return orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError:
-            return raw.decode(errors="replace")
+            raise EngineError(f"{method} {self.url}{path} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
+        return decode_json_or_text(raw, orjson.loads)
 
     async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         """A control call, retried like generation but named in its error."""

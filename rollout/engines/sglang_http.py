@@ -1,7 +1,7 @@
 """A client of one SGLang server's native HTTP API (or of ``rallyrl serve``, which speaks it).
 
-One ``aiohttp.ClientSession`` per engine, created and closed by ``async with``, with a
-connection pool sized for thousands of requests in flight. ``generate`` posts token ids to
+One keep-alive connection pool per engine (``server_http.py``), created and closed by ``async with``,
+sized for thousands of requests in flight. ``generate`` posts token ids to
 ``/generate`` and reads output ids, logprobs, finish reason and weight version.
 
 Failures: connection errors, timeouts and HTTP 408 / 429 / 5xx are retried with exponential
@@ -29,7 +29,6 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
@@ -128,9 +127,7 @@ class SGLangHTTPEngine(ServerHTTPClient):
                 body = await self._request("POST", "/generate", payload, self.config.timeout_s)
             return parse_generation(body, f"{self.url} request {rid}", self.weight_version)
         except RetryableError as exc:
-            if isinstance(exc.__cause__, asyncio.TimeoutError) and not isinstance(
-                exc.__cause__, aiohttp.ConnectionTimeoutError
-            ):
+            if isinstance(exc.__cause__, asyncio.TimeoutError):  # (a connect timeout is a WireError)
                 await self._abort_quietly(wire_rid)  # the server may still be running it
             raise
         finally:

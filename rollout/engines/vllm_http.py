@@ -70,7 +70,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import yarl
 
 from rollout.engines.base import EngineError, Generation, SamplingParams
@@ -166,9 +165,7 @@ class VLLMHTTPEngine(ServerHTTPClient):
                         return Generation([], [], "abort", version)  # abort() closed the connection
                     raise
                 except RetryableError as exc:
-                    if isinstance(exc.__cause__, TimeoutError) and not isinstance(
-                        exc.__cause__, aiohttp.ConnectionTimeoutError
-                    ):
+                    if isinstance(exc.__cause__, TimeoutError):  # (a connect timeout is a WireError)
                         await self._abort_quietly(wire_rid)  # the server may still be running it
                     raise
                 finally:

@@ -33,9 +33,16 @@ def get_parser(name: str, tools: list[dict] | None = None) -> Parser:
         parser = PARSERS[name]
     except KeyError:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
-    if tools is not None and "tools" in inspect.signature(parser).parameters:
+    if tools is not None and _reads_tools(parser):
         return functools.partial(parser, tools=tools)
     return parser
+
+
+@functools.cache
+def _reads_tools(parser: Parser) -> bool:
+    """Whether ``parser`` takes the tool schemas (read once per parser: ``inspect.signature`` cost more
+    than the rest of a request's setup, once per request)."""
+    return "tools" in inspect.signature(parser).parameters
 
 
 def get_renderer(name: str) -> Renderer:
