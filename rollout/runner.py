@@ -27,6 +27,7 @@ from data.schema import Record
 from rollout.config import RolloutConfig
 from rollout.engines.base import Engine
 from rollout.loop import default_reward, run_request
+from rollout.open_files import ensure_open_files, sockets_for
 from rollout.output_file import open_output
 from rollout.request import AsyncRolloutRequest
 from rollout.stats import RolloutCounts, pass_at_n
@@ -176,7 +177,9 @@ class RolloutRunner:
             for sample_index in range(samples_per_prompt)
             if (prompt_index, sample_index) not in skip
         )
-        semaphore = asyncio.Semaphore(self.max_concurrency or self.config.max_concurrency)
+        concurrency = self.max_concurrency or self.config.max_concurrency
+        ensure_open_files(sockets_for(self.engine, min(total, concurrency)))  # (before any request starts)
+        semaphore = asyncio.Semaphore(concurrency)
         live = _LiveCounts()
         started = time.monotonic()
         out = open_output(out_path, append)

@@ -136,32 +136,36 @@ def test_a_tiny_benchmark_run_gives_a_well_formed_report(tmp_path):
     assert len(results[0]["timelines"]["rallyrl"]) == 24
 
 
-def test_rounds_alternate_the_two_clients_and_report_each_ones_median_round(monkeypatch):
+def test_rounds_alternate_the_clients_and_report_each_ones_median_round(monkeypatch):
     from benchmarks import tool_concurrency
 
     order: list[str] = []
-    cpu = {"rallyrl": iter([3.0, 1.0, 2.0]), "bare": iter([1.0, 5.0, 3.0])}
+    cpu = {"rallyrl": iter([3.0, 1.0, 2.0]), "bare": iter([1.0, 5.0, 3.0]), "rallyrl on uvloop": iter([1.0, 2.0, 0.5]),
+           "batch-level": iter([4.0])}  # fmt: skip
 
     def fake(name):
         async def client(scenario, url):
-            order.append(name)
+            on_uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+            row = "rallyrl on uvloop" if on_uvloop else name
+            order.append(row)
             return ClientRun(makespan_s=1.0, request_latency_s=[1.0], turns=1_000_000, started=0.0,
-                             cpu_s=next(cpu[name]), peak_rss_mb=1.0)  # fmt: skip
+                             cpu_s=next(cpu[row]), peak_rss_mb=1.0)  # fmt: skip
 
         return client
 
     monkeypatch.setattr(tool_concurrency, "run_rallyrl", fake("rallyrl"))
     monkeypatch.setattr(tool_concurrency, "run_bare", fake("bare"))
     monkeypatch.setattr(tool_concurrency, "run_batch_level", fake("batch-level"))
-    cpu["batch-level"] = iter([4.0])
     tiny = dataclasses.replace(W1, requests=4, capacity=2, tokens_per_turn=40, tool_latency=LogNormal(0.01, 1.0))
     result = tool_concurrency.run_workload(tiny, Console(quiet=True), rounds=3)
-    assert order == ["rallyrl", "bare"] * 3 + ["batch-level"]
-    rallyrl, bare = result["rows"][1], result["rows"][2]
+    assert order == ["rallyrl", "bare", "rallyrl on uvloop"] * 3 + ["batch-level"]  # (uvloop: the dev extra has it)
+    rallyrl, bare, uvloop = result["rows"][1], result["rows"][2], result["rows"][3]
+    assert uvloop["system"] == "rallyrl on uvloop"
     assert rallyrl["client_cpu_per_turn_rounds_us"] == [3.0, 1.0, 2.0]
     assert bare["client_cpu_per_turn_rounds_us"] == [1.0, 5.0, 3.0]
     assert rallyrl["client_cpu_per_turn_us"] == 2.0 and bare["client_cpu_per_turn_us"] == 3.0
     assert rallyrl["cpu_per_turn_vs_bare"] == 2.0 / 3.0
+    assert uvloop["client_cpu_per_turn_us"] == 1.0 and uvloop["cpu_per_turn_vs_bare"] == 1.0 / 3.0
 
 
 @pytest.mark.slow
@@ -169,3 +173,12 @@ def test_bench_rejects_an_unknown_workload():
     made = run_cli("bench", "--workload", "W9")
     assert made.returncode == 2
     assert "W1, W2, W3" in made.stderr
+
+
+def test_many_in_flight_runs_every_request_over_a_pool_against_the_bound_of_its_routing():
+    from benchmarks.many_in_flight import measure
+
+    row = measure(requests=96, servers=2, capacity=16, decode_step_s=0.005, loop="asyncio")
+    assert row["trajectories"] == 96 and row["turns"] == 96 * W1.turns and "error" not in row["finish_reasons"]
+    assert 0.3 < row["efficiency"] <= 1.02  # (the routed bound is exact: a run cannot beat it by more than noise)
+    assert 1 <= row["peak_sockets"] <= 2 * 96 and row["fd_limit"] >= 96  # (idle keep-alive ones included)

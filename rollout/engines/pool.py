@@ -222,6 +222,12 @@ class EnginePool:
         for server in self.servers:
             await server.engine.__aexit__(*exc_info)
 
+    def sockets_for(self, in_flight: int) -> int:
+        """Sockets ``in_flight`` requests may hold: one each, at most every server's connection limit
+        (each server gets them all when the others are out)."""
+        limits = [server.engine.config.max_connections for server in self.servers] or [0]
+        return in_flight if 0 in limits else min(in_flight, sum(limits))
+
     # ----- generation ------------------------------------------------------------------------
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> Generation:
