@@ -271,6 +271,9 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:
+        from tools.registry import close_tools
+
+        stack.callback(close_tools, tools)  # last, after the engine: the Ray actors of executor: ray tools
         if judge is not None:
             await stack.enter_async_context(judge)
         await enter_interactions(stack, interactions)

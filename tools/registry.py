@@ -12,6 +12,9 @@ tools:
   - class_name: my_pkg.tools.Unused                  # verl's MCP entry: tools.mcp builds its tools
     config: {type: mcp}
     mcp: {mcp_servers_config_path: ./mcp_servers.json, tool_selected_list: [search]}
+  - class_name: tools.python_sandbox:PythonTool       # any entry but MCP's: its tools run in Ray actors
+    executor: ray                                    # (tools/ray_executor.py; default: local)
+    ray: {actors: 2, num_cpus: 1}
 ```
 
 A class_name names one of our ``BaseTool`` subclasses, a verl-style class (``tools.verl_compat``)
@@ -23,6 +26,7 @@ current folder and the config file's folder.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,9 @@ from tools.loading import ToolConfigError, import_class
 from tools.verl_compat import VerlTool, is_verl_style, schema_dict
 
 DEFAULT_TOOLS = [{"class_name": "tools.calculator:CalculatorTool"}]
-FIELDS = {"class_name", "config", "schema", "tool_schema", "mcp"}
+FIELDS = {"class_name", "config", "schema", "tool_schema", "mcp", "executor", "ray"}
+EXECUTORS = ("local", "ray")
+"""Where an entry's tools run: in the rollout process, or in Ray actors (``tools/ray_executor.py``)."""
 MCP_CLASS_NAMES = {"tools.mcp:MCPTool", "tools.mcp.MCPTool"}
 VERL_ALIASES = {"verl.tools.gsm8k_tool.Gsm8kTool": "tools.answer_check:AnswerCheckTool"}
 """verl's built-in tools that verl 0.9 from PyPI no longer ships, used where they do not import: verl's
@@ -59,17 +65,50 @@ def build_tools(
 
 
 def _build_entry(entry: Any, where: str, source_dir: Path) -> list[BaseTool]:
-    """One entry's tools: one for a class or a function, all of a server's for an MCP entry."""
+    """One entry's tools: one for a class or a function, all of a server's for an MCP entry; with
+    ``executor: ray``, proxies to Ray actors that each build the same tools."""
     if not isinstance(entry, dict):
         raise ToolConfigError(f"{where}: expected a mapping with 'class_name', got {type(entry).__name__}")
     unknown = set(entry) - FIELDS
     if unknown:
         raise ToolConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    executor = entry.get("executor", "local")
+    if executor not in EXECUTORS:
+        raise ToolConfigError(f"{where}.executor: {executor!r} is not one of {', '.join(EXECUTORS)}")
+    if "ray" in entry and executor != "ray":
+        raise ToolConfigError(f"{where}.ray: settings for Ray, but the entry's executor is {executor!r}; "
+                              "add 'executor: ray'")  # fmt: skip
+    local_entry = {key: value for key, value in entry.items() if key not in ("executor", "ray")}
+    if executor == "local":
+        return _build_local(local_entry, where, source_dir)
+    from tools.ray_options import RayOptions  # here: the Ray modules load only for an entry that runs on Ray
+
+    if _is_mcp(local_entry):
+        raise ToolConfigError(f"{where}.executor: ray runs a tool class in Ray actors; an MCP entry's tools run "
+                              "on their MCP servers already (drop 'executor: ray')")  # fmt: skip
+    options = RayOptions.parse(entry.get("ray"), where, ToolConfigError)
+    tools = _build_local(local_entry, where, source_dir)
+    from tools.ray_executor import on_ray
+
+    try:
+        return on_ray(tools, functools.partial(_build_local, local_entry, where, source_dir), options, where)
+    except ValueError as exc:  # no Ray at the address, a second address
+        raise ToolConfigError(str(exc)) from None
+
+
+def _is_mcp(entry: dict[str, Any]) -> bool:
+    class_name, config = entry.get("class_name"), entry.get("config")
+    return "mcp" in entry or (isinstance(config, dict) and config.get("type") == "mcp") or (
+        isinstance(class_name, str) and class_name in MCP_CLASS_NAMES)  # fmt: skip
+
+
+def _build_local(entry: dict[str, Any], where: str, source_dir: Path) -> list[BaseTool]:
+    """The tools of an entry (without ``executor``), in this process."""
     class_name = entry.get("class_name")
     config = entry.get("config") or {}
     if not isinstance(config, dict):
         raise ToolConfigError(f"{where}.config: expected a mapping, got {type(config).__name__}")
-    if "mcp" in entry or config.get("type") == "mcp" or (isinstance(class_name, str) and class_name in MCP_CLASS_NAMES):
+    if _is_mcp(entry):
         from tools.mcp import build_mcp_tools  # here: the MCP SDK takes a second or more to import
 
         return build_mcp_tools(entry, where, source_dir)
@@ -136,6 +175,14 @@ def _schema(raw: Any, where: str) -> dict[str, Any] | None:
     if not (isinstance(schema["function"].get("name"), str) and schema["function"]["name"]):
         raise ToolConfigError(f"{where}.function.name: expected the tool's name, a non-empty string")
     return schema
+
+
+def close_tools(tools: dict[str, BaseTool]) -> None:
+    """End what the tools started for the run: the Ray actors of ``executor: ray`` entries (killed)."""
+    for tool in tools.values():
+        close = getattr(tool, "close_executor", None)
+        if callable(close):
+            close()
 
 
 def read_config_file(path: Path, what: str, error: type[ValueError] = ToolConfigError) -> Any:

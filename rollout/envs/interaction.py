@@ -20,6 +20,9 @@ interaction:
     config: {env: "textarena:GuessTheNumber-v0", env_kwargs: {}, step_timeout_s: 30}
 ```
 
+With ``executor: ray`` in the config (and ``ray: {actors, num_cpus, ...}``, as on a tool entry), the
+environments live in Ray actors (``rollout/envs/ray_env.py``); the deadlines and accounting stay here.
+
 Records name it in ``interaction_kwargs``: ``{name: env, seed: 7}`` (and ``env`` / ``env_kwargs`` to
 override the config's). ``rallyrl rollout --task textarena:GuessTheNumber-v0`` writes both for you.
 """
@@ -32,7 +35,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -40,6 +43,9 @@ from rollout.deadlines import within
 from rollout.envs.bindings import binding_class
 from rollout.envs.step import EnvError, as_step, first_messages
 from rollout.users.interactions import BaseInteraction, last_assistant_text
+
+if TYPE_CHECKING:
+    from rollout.envs.ray_env import RayEnvironments
 
 
 @dataclass
@@ -70,7 +76,8 @@ class EnvironmentInteraction(BaseInteraction):
     Config: ``env`` (``family:id`` or ``pkg.module:Class``), ``env_kwargs``, ``reset_timeout_s`` (60),
     ``step_timeout_s`` (30), ``threads`` (256: worker threads for sync environments), ``check`` (True:
     one episode is reset and closed when the rollout starts, so an environment that needs a download
-    fails then, not mid-run).
+    fails then, not mid-run), ``executor`` ("local", or "ray": the environments in Ray actors, with the
+    ``ray`` settings of ``tools/ray_cluster.RayOptions``).
     """
 
     def __init__(self, config: dict[str, Any] | None = None):
@@ -83,6 +90,19 @@ class EnvironmentInteraction(BaseInteraction):
         self.check = bool(self.config.get("check", True))
         if self.env is not None:
             binding_class(str(self.env))  # an unknown family or a missing extra fails here, at load
+        self.executor = self.config.get("executor", "local")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"interaction {self.name}: executor {self.executor!r} is not one of local, ray")
+        self.ray: RayEnvironments | None = None
+        """The Ray actors the environments live in, with ``executor: ray`` (``ray.stats``: their accounting)."""
+        if self.executor == "ray":
+            from rollout.envs.ray_env import RayEnvironments
+            from tools.ray_options import RayOptions
+
+            options = RayOptions.parse(self.config.get("ray"), f"interaction {self.name}")
+            self.ray = RayEnvironments(options, self.name, self.threads)
+        elif "ray" in self.config:
+            raise ValueError(f"interaction {self.name}: 'ray' settings, but executor is {self.executor!r}")
         self.stats = EnvStats()
         self._pool: ThreadPoolExecutor | None = None
         self._binding_classes: set[type] = set()  # their shutdown() stops what they started (OpenEnv's servers)
@@ -101,6 +121,8 @@ class EnvironmentInteraction(BaseInteraction):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.ray is not None:
+            await self.ray.aclose()
         for cls in self._binding_classes:
             shutdown = getattr(cls, "shutdown", None)
             if callable(shutdown):
@@ -120,10 +142,11 @@ class EnvironmentInteraction(BaseInteraction):
         episode = _Episode(spec, None if seed is None else int(seed))
         cls, env_id = binding_class(spec)
         self._binding_classes.add(cls)
+        make = cls if self.ray is None else self.ray.maker(spec)
         instance_id = instance_id or uuid.uuid4().hex
         self._instances[instance_id] = {"episode": episode}
         try:
-            episode.binding = await self._call(episode, cls, env_id, **env_kwargs, _what="make",
+            episode.binding = await self._call(episode, make, env_id, **env_kwargs, _what="make",
                                                _timeout=self.reset_timeout_s)  # fmt: skip
             self.stats.opened += 1
         except BaseException:
