@@ -175,6 +175,7 @@ def test_bench_rejects_an_unknown_workload():
     assert "W1, W2, W3" in made.stderr
 
 
+@pytest.mark.slow  # (two simulated servers and a rollout: about 10 s)
 def test_many_in_flight_runs_every_request_over_a_pool_against_the_bound_of_its_routing():
     from benchmarks.many_in_flight import measure
 

@@ -80,7 +80,7 @@ class BaseTool(ABC):
         self._instances.pop(instance_id, None)
 
     @cached_property
-    def _check(self) -> ArgumentsCheck:
+    def _arguments_check(self) -> ArgumentsCheck:
         parameters = self.schema["function"].get("parameters") or {"type": "object"}
         return ArgumentsCheck(parameters, f"tool {self.name!r}")
 
@@ -89,11 +89,11 @@ class BaseTool(ABC):
         compiled once per tool: ``tools/schema_check.py``)."""
         if not arguments:  # {}: the same verdict every time
             return self._empty_arguments_problem
-        return self._check(arguments)
+        return self._arguments_check(arguments)
 
     @cached_property
     def _empty_arguments_problem(self) -> str | None:
-        return self._check({})
+        return self._arguments_check({})
 
     def instance(self, instance_id: str) -> dict[str, Any]:
         """The state dict of a live instance; a clear ToolError for an unknown id."""
