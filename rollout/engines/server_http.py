@@ -225,10 +225,7 @@ class ServerHTTPClient(ServesAdapters):
             raise EngineError(f"POST {url}: {type(exc).__name__}: {exc}") from None
         if status >= 400:
             raise EngineError(f"POST {url} answered HTTP {status}: {raw[:500].decode(errors='replace')}")
-        try:
-            return orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError:
-            return raw.decode(errors="replace")
+        return decode_json_or_text(raw, orjson.loads)
 
     async def pause_for_update(self) -> None:
         """Stop generating for a weight update (in-flight requests are aborted and resumed by their
