@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from hostile_harness import Attack, HealthProbe, check, post, request, run_attack
+from hostile_harness import Attack, HealthProbe, attack_until_fast, check, post, request
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP_FINISHED = 4
@@ -357,7 +357,7 @@ def reference(gateway) -> tuple[str, list[str], int]:
 @pytest.mark.parametrize("name", ATTACKS)
 async def test_the_gateway_refuses_the_attack_and_serves_on(gateway, reference, name):
     attack, (url, pid, probe) = ATTACKS[name], gateway
-    outcome = await run_attack(url, pid, probe, attack, lambda session: normal_call(session, url))
+    outcome = await attack_until_fast(url, pid, probe, attack, lambda session: normal_call(session, url))
     check(outcome, attack, reference)
 
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +57,7 @@ from rollout.gateway.offload import BIG_BODY, BIG_TOOLS
 from rollout.gateway.output import write_sessions
 from rollout.gateway.session import CallRefused, GatewaySession, new_session_id
 from rollout.loop import default_reward
-from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
+from rollout.request import AsyncRolloutRequest, FinishReason, RequestState, TraceEvent
 from rollout.serve.guard import HttpGuard
 from rollout.serve.http import BadRequest, TooLarge, TooManyJSONValues, json_response
 from rollout.tokens import ChatTokenizer, longest_token_chars
@@ -202,12 +202,7 @@ class Gateway(SessionLifecycle):
         sid = new_session_id() if sid is None else check_session_id(sid)
         fields = session_fields(body, self.config)
         self.table.check_new(sid)
-        record = AsyncRolloutRequest(
-            request_id=sid, prompt_index=fields["prompt_index"] or 0, sample_index=fields["sample_index"] or 0,
-            messages=[], data_source=fields["data_source"] or "gateway", ground_truth=fields["ground_truth"],
-            extra=dict(fields["metadata"] or {}),
-        )  # fmt: skip
-        self.open_session(record, sid, held=False)
+        self.open_session(functools.partial(_session_record, sid, fields), sid, held=False)
         return json_response({"session_id": sid, "base_url": self.base_url(sid), "api_key": sid}, status=201)
 
     async def list_sessions(self, request: web.Request) -> web.Response:
@@ -309,7 +304,7 @@ class Gateway(SessionLifecycle):
             async with session.lock:
                 if session.finished:
                     raise GatewayError(409, f"session {session.id} is finished", "session_finished")
-                session.last_used = time.monotonic()
+                self.table.touch(session)
                 try:
                     self._check_fits(session, call)
                     assert chat is not None
@@ -325,10 +320,19 @@ class Gateway(SessionLifecycle):
                     return await (answer.stream(request) if body.get("stream") else answer.answer())
                 finally:
                     session.between_calls()
-                    session.last_used = time.monotonic()
+                    self.table.touch(session)
         finally:
             if big:
                 self._offload.trim_soon()
+
+
+def _session_record(sid: str, fields: dict[str, Any], opened_at: float) -> AsyncRolloutRequest:
+    """The record of a session opened by ``POST /sessions`` with ``fields`` (built at its first use)."""
+    return AsyncRolloutRequest(
+        request_id=sid, prompt_index=fields["prompt_index"] or 0, sample_index=fields["sample_index"] or 0,
+        messages=[], data_source=fields["data_source"] or "gateway", ground_truth=fields["ground_truth"],
+        extra=dict(fields["metadata"] or {}), trace=[TraceEvent(RequestState.PENDING, opened_at)],
+    )  # fmt: skip
 
 
 def _reward(value: Any) -> float | None:

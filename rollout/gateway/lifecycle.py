@@ -17,7 +17,7 @@ from rollout.gateway.errors import GatewayError
 from rollout.gateway.limits import check_session_id
 from rollout.gateway.offload import OffLoop
 from rollout.gateway.registry import SessionTable
-from rollout.gateway.session import GatewaySession, new_session_id
+from rollout.gateway.session import GatewaySession, RecordFactory, new_session_id
 from rollout.loop import score_request
 from rollout.request import AsyncRolloutRequest, FinishReason, RequestState
 
@@ -44,9 +44,10 @@ class SessionLifecycle:
         self._to_end: deque[tuple[GatewaySession, str]] = deque()  # sessions to end as aborted, and why
         self._ender: asyncio.Task[None] | None = None
 
-    def open_session(self, request: AsyncRolloutRequest | None = None, session_id: str | None = None,
+    def open_session(self, request: AsyncRolloutRequest | RecordFactory | None = None, session_id: str | None = None,
                      rollout: RolloutConfig | None = None, held: bool = True) -> GatewaySession:  # fmt: skip
-        """A new session recording into ``request`` (a fresh one by default), under ``rollout``'s limits.
+        """A new session recording into ``request`` (a fresh one by default, or one built at its first use
+        by a ``RecordFactory``), under ``rollout``'s limits.
         ``held``: opened in-process by its driver, which ends it (never ended for want of a first call)."""
         session_id = new_session_id() if session_id is None else check_session_id(session_id)
         self.table.check_new(session_id)

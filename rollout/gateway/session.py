@@ -26,6 +26,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,19 +101,25 @@ class PendingCall:
     returned_at: float
 
 
+RecordFactory = Callable[[float], AsyncRolloutRequest]
+"""Builds a session's record when it is first used, given the time the session was opened."""
+
+
 class GatewaySession:
     """The recording of one agent run. Calls are taken one at a time (``lock``)."""
 
-    def __init__(self, session_id: str, request: AsyncRolloutRequest, config: RolloutConfig, sampling: str,
-                 held: bool = True):  # fmt: skip
+    def __init__(self, session_id: str, request: AsyncRolloutRequest | RecordFactory, config: RolloutConfig,
+                 sampling: str, held: bool = True):  # fmt: skip
         self.id = session_id
-        self.request = request
+        self._request = request if isinstance(request, AsyncRolloutRequest) else None
+        self._make_request = None if self._request is not None else request
+        self.opened_at = time.monotonic()
         self.config = config
         self.sampling = sampling
         self.held = held  # opened by its driver in-process (which ends it), not by an HTTP client
         self.heavy = False  # a call brought a large body: its memory is given back when the session ends
         self.lock = asyncio.Lock()
-        self.last_used = time.monotonic()
+        self.last_used = self.opened_at
         self.finished = False
         self.closing = False  # finish requested: new calls are refused
         self.calls = 0  # calls answered
@@ -125,6 +132,16 @@ class GatewaySession:
         self._last_finish: str | None = None
         self._sample_turns = 0  # assistant turns in the current sample
         self._pending: list[PendingCall] = []
+
+    @property
+    def request(self) -> AsyncRolloutRequest:
+        """The session's record. One opened over HTTP builds it when it is first used: an open that is
+        never called keeps a handful of objects for the garbage collector to walk, not the record's
+        twenty (4,096 abandoned opens made each full collection hold the event loop over 100 ms)."""
+        if self._request is None:
+            assert self._make_request is not None
+            self._request, self._make_request = self._make_request(self.opened_at), None
+        return self._request
 
     @property
     def evictable(self) -> bool:
