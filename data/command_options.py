@@ -17,13 +17,21 @@ AGENT_HELP = "Agent entry point, module:function or file.py:function, run throug
 ENGINE_SERVER_HELP = 'What serves --engine-url: "sglang" (or `rallyrl serve`), "vllm", or "auto" (ask it; default).'
 
 
+DISK_FULL_EXIT = 1
+"""A full disk (``data/disk_space.py``): what was written stays, and ``--resume`` goes on once there is room."""
+
+
 @contextlib.contextmanager
 def errors_for_people() -> Iterator[None]:
-    """Bad input (config, records, tools, templates, engines) -> one line and exit 2, no stack trace."""
+    """Bad input (config, records, tools, templates, engines) -> one line and exit 2, no stack trace;
+    a full disk -> one line naming the path, the bytes needed and the free space, exit 1."""
+    from data.disk_space import DiskFull
     from rollout.engines.base import EngineError
 
     try:
         yield
+    except DiskFull as exc:
+        raise fail(str(exc), DISK_FULL_EXIT) from None
     except (ValueError, EngineError) as exc:  # ConfigError, RecordError, SetupError, ... are ValueErrors
         raise fail(str(exc)) from None
 

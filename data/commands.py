@@ -120,8 +120,12 @@ def export_model(
         raise _fail(f"--merge {adapter}: not a LoRA adapter directory (no adapter_config.json)")
     import torch
 
+    from data.disk_space import DiskFull
+
     try:
         path = export_merged(adapter, out, getattr(torch, dtype))
+    except DiskFull as exc:
+        raise _fail(str(exc), 1) from None
     except AdapterError as exc:
         raise _fail(f"--merge {adapter}: {exc}") from None
     except OSError as exc:

@@ -8,9 +8,9 @@ from rich.console import Console
 console = Console(stderr=True, soft_wrap=True)
 
 
-def fail(message: str) -> typer.Exit:
-    """Print ``error: message`` and return the exit (code 2) to raise: bad input, no stack trace."""
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` and return the exit to raise (code 2: bad input), no stack trace."""
     from rich.markup import escape
 
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(code=2)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=code)

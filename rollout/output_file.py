@@ -6,11 +6,11 @@ import contextlib
 import fcntl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import orjson
 
 from data.files import atomic_write_bytes
+from data.line_files import LineAppender
 
 
 class OutputError(ValueError):
@@ -34,12 +34,15 @@ def output_lock(out: Path) -> Iterator[None]:
             Path(handle.name).unlink(missing_ok=True)
 
 
-def open_output(path: str | Path | None, append: bool = False) -> IO[bytes] | None:
+RESUME_AFTER_FULL = "free some space and run the same command with --resume"
+
+
+def open_output(path: str | Path | None, append: bool = False, what: str = "trajectory",
+                after_full: str = RESUME_AFTER_FULL) -> LineAppender | None:  # fmt: skip
+    """The JSONL file trajectories are appended to as they finish (``data/line_files.py``), or None."""
     if path is None:
         return None
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("ab" if append else "wb")
+    return LineAppender(path, append, what, after_full)
 
 
 def read_finished(path: str | Path) -> set[tuple[int, int]]:

@@ -199,7 +199,6 @@ class RolloutRunner:
             live.finished(request)
             if out is not None:
                 out.write(orjson.dumps(request.to_record()) + b"\n")
-                out.flush()
             if progress is not None:
                 progress.update(task, advance=1, **live.fields(time.monotonic() - started))
             return request

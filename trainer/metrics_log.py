@@ -20,12 +20,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from data.files import atomic_write_bytes, atomic_write_with
+from data.line_files import LineAppender
 
 
 def append_metrics(path: Path, metrics: dict[str, Any]) -> None:
     """One line, flushed: a kill loses at most the line being written."""
-    with path.open("ab") as f:
-        f.write(orjson.dumps(metrics, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+    with LineAppender(path, what="metrics line", after_full="free some space and run again with --resume") as file:
+        file.write(orjson.dumps(metrics, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ from typing import Any
 from accelerate.utils import gather_object
 
 from trainer.checkpoints import (
+    checkpoint_bytes,
+    complete_checkpoints,
     load_training_checkpoint,
     prune_checkpoints,
     save_adapter_dir,
@@ -47,17 +49,27 @@ class RunFiles:
         full = self.policy.state_dict() if self.policy.sharded else None
         directory = parent / f"step-{self.state.step:06d}"
         adapter = None if self.config.lora is None else lambda at: self.policy.save_adapter(at, self.model_dir)
-        save_training_checkpoint(self.accelerator, self.policy.language_model(), self.tokenizer, directory,
-                                 dataclasses.asdict(self.state), full, adapter)  # fmt: skip
+        policy = self.policy
+        lora = policy.peft if adapter is not None else None
+        needed = checkpoint_bytes(policy.model, policy.optimizer, self.tokenizer, full, lora)
+        save_training_checkpoint(self.accelerator, policy.language_model(), self.tokenizer, directory,
+                                 dataclasses.asdict(self.state), full, adapter, needed)  # fmt: skip
         if self.is_main:
             prune_checkpoints(parent, self.config.keep_checkpoints)
 
     def load_checkpoint(self) -> list[dict[str, Any]]:
-        """Restore the last complete checkpoint; returns the metrics logged up to it."""
+        """Restore the last complete checkpoint; returns the metrics logged up to it. A run that began
+        but never completed a checkpoint (its first one, or its first weight sync, met a full disk)
+        starts again at step 0."""
+        metrics_file = self.out / "metrics.jsonl"
+        if not complete_checkpoints(self.out / "checkpoints") and any(self.out.iterdir()):
+            if self.is_main:
+                keep_metrics_until(metrics_file, 0)
+            self.console.print(f"--resume: {self.out} has no complete checkpoint yet: starting at step 0")
+            return []
         last, state = load_training_checkpoint(self.accelerator, self.out / "checkpoints")
         self.state = TrainerState(**state)
         self.prompts.position = self.state.data_position
-        metrics_file = self.out / "metrics.jsonl"
         history = keep_metrics_until(metrics_file, self.state.step) if self.is_main else []
         self.console.print(f"resumed from {last} (step {self.state.step})")
         return history

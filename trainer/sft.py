@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from data.line_files import LineAppender
 from data.model_padding import pad_model_dir
 from data.synthetic import make_calc_records, spaced_expression
 from data.tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_model
@@ -194,7 +195,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     data = batches(examples, config.batch_size, config.seed)
 
-    log = (out / "sft_log.jsonl").open("wb")
+    log = LineAppender(out / "sft_log.jsonl", append=False, what="log line")
     log.write(orjson.dumps({"kind": "config", **asdict(config), "num_params": num_params}) + b"\n")
     history: list[dict[str, Any]] = []
     recent: list[float] = []
@@ -228,7 +229,6 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
                 }
                 recent = []
                 log.write(orjson.dumps(entry) + b"\n")
-                log.flush()
                 if progress is not None:
                     progress.update(task, loss=entry["loss"])
                 console.print(
@@ -264,7 +264,6 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
                 entry["elapsed_s"] = round(time.monotonic() - started, 1)
                 history.append(entry)
                 log.write(orjson.dumps(entry) + b"\n")
-                log.flush()
                 if config.stop_accuracy is not None and entry["accuracy"] >= config.stop_accuracy:
                     console.print(f"step {step:>5}  held-out accuracy reached {config.stop_accuracy:.0%}: stopping")
                     break

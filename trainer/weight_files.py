@@ -13,6 +13,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from data.files import atomic_directory
+from trainer.checkpoints import adapter_bytes, model_dir_bytes
 
 KEEP_WEIGHT_DIRS = 2
 """Saved versions kept on disk: the newest, which a restarted server loads, and the one before."""
@@ -33,7 +34,8 @@ def save_weights(model: torch.nn.Module, tokenizer: Any, weights_dir: Path, vers
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
 
-    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
+    needed = model_dir_bytes(model, tokenizer, state_dict)
+    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write, needed, "weights for the servers"))
 
 
 def save_adapter_version(peft_model: Any, base_model: Path, weights_dir: Path, version: int) -> Path:
@@ -46,7 +48,8 @@ def save_adapter_version(peft_model: Any, base_model: Path, weights_dir: Path, v
         save_adapter(peft_model, partial, base_model)
         (partial / "README.md").unlink(missing_ok=True)  # (peft's model card: not for a server)
 
-    return _keep_newest(atomic_directory(weights_dir / f"v{version:06d}", write))
+    final = atomic_directory(weights_dir / f"v{version:06d}", write, adapter_bytes(peft_model), "LoRA adapter")
+    return _keep_newest(final)
 
 
 def _keep_newest(final: Path) -> Path:

@@ -65,7 +65,8 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, dtype: Any = Non
         model.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
 
-    return atomic_directory(Path(out_dir), write)
+    needed = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    return atomic_directory(Path(out_dir), write, needed, "merged model")
 
 
 def merged_model_dir(adapter_dir: str | Path) -> Path:

@@ -24,7 +24,7 @@ gateway's caps (``limits.py``); large calls are prepared on worker threads (``of
 Errors are OpenAI's error objects: 400 bad request or a spent budget (``code`` says which), 403 a
 refused origin or a bearer naming another session, 404 unknown session, 405 a method a route does not
 serve, 409 a finished session, 413 a body or a cap exceeded, 415 not JSON, 429 too many open sessions
-(each having made a call), 502 engine failure.
+(each having made a call), 502 engine failure, 507 a full disk (the finished session not written).
 """
 
 from __future__ import annotations

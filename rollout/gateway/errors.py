@@ -61,6 +61,7 @@ def http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
 def error_middleware(counters: dict[str, int]) -> Any:
     """The middleware answering every failure of a route as an OpenAI error object (``counters``:
     the gateway's, where refused and failed calls are counted)."""
+    from data.disk_space import DiskFull
     from rollout.engines.base import EngineError  # (the engine stack loads torch: imported once serving)
     from rollout.gateway.session import CallRefused
 
@@ -90,6 +91,9 @@ def error_middleware(counters: dict[str, int]) -> Any:
         if isinstance(exc, EngineError):
             counters["calls_failed"] += 1
             return error_response(502, f"engine error: {exc}")
+        if isinstance(exc, DiskFull):  # the session is finished, its trajectory not written
+            logger.error("%s", exc)
+            return error_response(507, str(exc), "disk_full")
         logger.error("%s %s failed", request.method, request.path, exc_info=exc)  # a bug: answer, keep serving
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
