@@ -211,6 +211,7 @@ async def test_the_sandbox_in_use_is_reported():
     assert bare.metrics["sandbox"] == [
         *("subreaper", "rlimits", "memory-per-process (disabled)", "oom-score-adj", "session-keyring", "watchdog"),
         *("no-seccomp (disabled)", "unix-ipc-open", "keys-open", "userns-open", "socket-families-open"),
+        "comm-open",
     ]
     assert bare.metrics["network"] == "socket-patch" and bare.metrics["ipc"] == "open"
 

@@ -30,16 +30,19 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
   every top-level directory but the system ones (/usr, /lib*, /bin, /sbin, /etc, /opt, /sys, /dev,
   /proc) an empty tmpfs holding only the interpreter's paths and the working directory
   (``private-dirs:/tmp,/run,/var,...``: no host Unix socket in them is reachable), an empty
-  /dev/mqueue, socket files in / and /dev covered, and every mount read-only (``read-only-fs``).
+  /dev/mqueue, socket files in / and /dev covered, and every mount read-only (``read-only-fs``);
+  the working directory and /dev/shm noexec, so that with /proc read-only no mount is left where a
+  process could be named by the program (``noexec-tmpfs``, see ``comm-open`` below).
 - ``setuid``: as root, the program runs as a uid/gid of its own (SANDBOX_UIDS, else nobody), so
   RLIMIT_NPROC counts its processes alone and other users' files and processes are out of reach.
   Directories the interpreter needs but that uid cannot search (``/root`` for a pyenv Python) are
   shadowed in the mount namespace by a tmpfs holding only the interpreter's paths
   (``shadowed:/root``); when the interpreter stays unreachable the program runs as root.
 - ``landlock``: reads only below SYSTEM_READ_DIRS, the interpreter's paths, the working directory
-  and the program's own /proc entry; writes only below the working directory (and to existing
-  files under /dev); no TCP bind/connect (ABI 4+); no signals to, and no abstract sockets of,
-  processes outside the sandbox (ABI 6+).
+  and the program's own /proc entry; executes only below SYSTEM_READ_DIRS and the interpreter's
+  paths; writes only below the working directory (and to existing files under /dev); no TCP
+  bind/connect (ABI 4+); no signals to, and no abstract sockets of, processes outside the sandbox
+  (ABI 6+).
 - ``netns``: no network at all, and no abstract Unix socket of the host (``ipcns`` with it: System V
   IPC and POSIX message queues of its own). Otherwise seccomp refuses every socket (below); where
   seccomp is missing, sockets other than AF_UNIX are refused by the program's bootstrap
@@ -48,11 +51,15 @@ Each mechanism is tried at run time and used when the kernel and our privileges 
   ``socket(AF_UNIX)`` and io_uring are refused (EPERM), ``socketpair`` only for stream and seqpacket
   pairs: no IPC out of the sandbox whatever the filesystem shows; ``socket-allowlist``: TCP, UDP and
   NETLINK_ROUTE with a network namespace, no socket without one (no VSOCK, MPTCP, SCTP ...);
-  ``no-keys``: no kernel keys; ``no-userns``: no user namespace made from inside. ``metrics["ipc"]``
+  ``no-keys``: no kernel keys; ``no-userns``: no user namespace made from inside; ``no-comm``: no
+  ``prctl(PR_SET_NAME)``, symlink or ``fexecve``. ``metrics["ipc"]``
   says what holds (``seccomp+private-dirs``, ``seccomp``, ``private-dirs``, ``open``); without
   seccomp ``unix-ipc-open`` (or ``unix-ipc-partly-open`` when only the private directories and the
   namespace stand) is in the list and logged as a warning, with ``keys-open``, ``userns-open`` and
   ``socket-families-open``.
+- ``comm-open`` unless seccomp and either ``noexec-tmpfs`` or Landlock hold: then a process of the
+  program could get a name of its choosing (``prctl``, ``/proc/self/comm``, executing a file it
+  named), which the kernel prints when the process segfaults or is OOM-killed.
 - ``session-keyring`` (always tried): init joins a fresh anonymous session keyring, so the program
   does not inherit the trainer's. ``oom-score-adj`` (always tried): init sets 1000 before /proc is
   remounted read-only and reads it back; every process of the program inherits it.
@@ -75,6 +82,7 @@ from data.text import truncate_middle
 from tools import sandbox_supervisor as supervisor
 from tools.base import BaseTool, ToolResponse, function_schema
 from tools.sandbox_run import SandboxRun, run_program
+from tools.sandbox_seccomp import GAPS as SECCOMP_GAPS
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +237,13 @@ class PythonTool(BaseTool):
         if run.report.get("mechanisms") and run.report["mechanisms"] != self.sandbox:
             self.sandbox = list(run.report["mechanisms"])
             logger.info("python tool sandbox: %s; network: %s", self.sandbox, run.report.get("network"))
-            gap_prefixes = ("unix-ipc-", "memory-per-process", "keys-open", "userns-open", "socket-families-open")
+            gap_prefixes = ("unix-ipc-", "memory-per-process", *SECCOMP_GAPS, "comm-open")
             gaps = [item for item in self.sandbox if item.startswith((*gap_prefixes, "no-oom-score-adj"))]
             if gaps:
                 logger.warning(
                     "python tool: sandbox gaps here: %s (unix-ipc: a program can connect to Unix sockets of this "
                     "machine; memory-per-process: memory_mb bounds each process, not the call; keys, user "
-                    "namespaces, socket families: see the README's sandbox table)",
+                    "namespaces, socket families, comm: see the README's sandbox table)",
                     gaps,
                 )
             if not any(item.startswith(("setuid", "landlock", "read-only-fs")) for item in self.sandbox):

@@ -33,9 +33,9 @@ MOUNT_OPTION_FLAGS = {
 }
 KEYCTL_JOIN_SESSION_KEYRING = 1
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
-LANDLOCK_WRITE_FILE, LANDLOCK_READ_FILE, LANDLOCK_READ_DIR = 1 << 1, 1 << 2, 1 << 3
+LANDLOCK_EXECUTE, LANDLOCK_WRITE_FILE, LANDLOCK_READ_FILE, LANDLOCK_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 LANDLOCK_REFER, LANDLOCK_TRUNCATE = 1 << 13, 1 << 14
-LANDLOCK_FILE_ACCESS = 1 << 0 | LANDLOCK_WRITE_FILE | LANDLOCK_READ_FILE | LANDLOCK_TRUNCATE  # rights a file rule takes
+LANDLOCK_FILE_ACCESS = LANDLOCK_EXECUTE | LANDLOCK_WRITE_FILE | LANDLOCK_READ_FILE | LANDLOCK_TRUNCATE  # a file rule's
 LANDLOCK_MAKE_AND_REMOVE = sum(1 << bit for bit in (4, 5, 6, 7, 8, 9, 10, 11, 12))  # REMOVE_DIR ... MAKE_SYM
 LANDLOCK_NET_BIND_TCP, LANDLOCK_NET_CONNECT_TCP = 1 << 0, 1 << 1
 LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1 << 0, 1 << 1
@@ -172,21 +172,37 @@ def _expose(paths: list[str], uid: int, gid: int) -> list[str]:
     return sorted(needed)
 
 
-def _mount_points() -> list[tuple[str, str]]:
-    """(mount point, per-mount options) of every mount in this mount namespace."""
+def _mount_points() -> list[tuple[str, str, str]]:
+    """(mount point, per-mount options, filesystem type) of every mount in this mount namespace."""
     points = []
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
             point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
-            points.append((os.fsdecode(point), fields[5].decode()))
+            points.append((os.fsdecode(point), fields[5].decode(), fields[fields.index(b"-") + 1].decode()))
     return points
+
+
+def naming_mounts() -> list[str]:
+    """Mount points, as reached by their path, through which a process could get a name of its
+    choosing: a proc mount that is not read-only (``/proc/<pid>/comm``), or a writable mount that
+    is not noexec (a file written there executes under the name it was given). Every mount counts
+    as writable but read-only ones, whatever its permissions."""
+    found = []
+    for point, _, fstype in _mount_points():
+        try:
+            flags = os.statvfs(point).f_flag  # the mount on top at that path: covered ones are out of reach
+        except OSError:
+            continue  # under a tmpfs that covers it: nothing there
+        if not flags & os.ST_RDONLY and (fstype == "proc" or not flags & os.ST_NOEXEC):
+            found.append(point)
+    return found
 
 
 def _remount_read_only(keep: set[str]) -> bool:
     """Remount every mount read-only except those at ``keep``; True when "/" became read-only."""
     root_done = False
-    for point, options in _mount_points():
+    for point, options, _ in _mount_points():
         if point in keep:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
@@ -250,7 +266,9 @@ def hide_unlisted(visible: list[str], keep: list[str]) -> list[str]:
 def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None, visible: list[str]) -> tuple[list[str], bool]:
     """Inside a fresh mount namespace: private propagation, only ``visible`` and the interpreter's
     paths left of the host's filesystem (``hide_unlisted``), the interpreter reachable for the
-    sandbox uid, a writable working directory, a private /dev/shm and /proc, the rest read-only."""
+    sandbox uid, a writable working directory and a private /dev/shm (both noexec), a private /proc,
+    the rest read-only; ``noexec-tmpfs`` when that leaves no mount where a process can be named
+    (``naming_mounts``)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
     workdir, notes = cfg["workdir"], []
     with open(os.path.join(workdir, "main.py"), "rb") as f:
@@ -263,7 +281,8 @@ def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None, visible: lis
         notes += [f"shadowed:{directory}" for directory in covered]
     uid, gid = (uid, uid) if uid is not None else (os.geteuid(), os.getegid())
     # a private, size-limited working directory (the host's stays empty but for main.py)
-    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mb']}m,mode=700,uid={uid},gid={gid}")
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC  # what the program writes, it may read or import, never execute
+    _mount("tmpfs", workdir, "tmpfs", flags, f"size={cfg['disk_mb']}m,mode=700,uid={uid},gid={gid}")
     with open(os.path.join(workdir, "main.py"), "wb") as f:
         f.write(program)
     os.chown(os.path.join(workdir, "main.py"), uid, gid)
@@ -272,7 +291,7 @@ def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None, visible: lis
     shm = False
     if os.path.isdir("/dev/shm"):
         try:
-            _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['file_size_mb']}m,mode=1777")
+            _mount("tmpfs", "/dev/shm", "tmpfs", flags, f"size={cfg['file_size_mb']}m,mode=1777")
             keep.add("/dev/shm")
             shm = True
         except OSError:
@@ -283,6 +302,8 @@ def setup_mounts(cfg: dict[str, Any], pidns: bool, uid: int | None, visible: lis
             notes.append("private-proc")
     if _remount_read_only(keep):
         notes.append("read-only-fs")
+    if not naming_mounts():
+        notes.append("noexec-tmpfs")
     return notes, shm
 
 
@@ -306,21 +327,21 @@ def landlock_abi() -> int:
 
 
 def landlock_restrict(abi: int, workdir: str, readable: list[str], shm: bool) -> None:
-    """Reads only below ``readable`` (and workdir), writes only below workdir (and /dev/shm when it is
-    private) plus to existing /dev files; no TCP bind/connect (ABI 4+), no signals to and no abstract
-    sockets of processes outside the sandbox (ABI 6+)."""
+    """Reads only below ``readable`` (and workdir), executing only below ``readable``, writes only below
+    workdir (and /dev/shm when it is private) plus to existing /dev files; no TCP bind/connect (ABI
+    4+), no signals to and no abstract sockets of processes outside the sandbox (ABI 6+)."""
     read = LANDLOCK_READ_FILE | LANDLOCK_READ_DIR
     write = LANDLOCK_WRITE_FILE | LANDLOCK_MAKE_AND_REMOVE
     write |= (LANDLOCK_REFER if abi >= 2 else 0) | (LANDLOCK_TRUNCATE if abi >= 3 else 0)
     net = LANDLOCK_NET_BIND_TCP | LANDLOCK_NET_CONNECT_TCP if abi >= 4 else 0
     scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0
-    attr = struct.pack("=QQQ", read | write, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    attr = struct.pack("=QQQ", LANDLOCK_EXECUTE | read | write, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
     ruleset = _check(
         _LIBC.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), attr, ctypes.c_long(len(attr)), ctypes.c_long(0)),
         "landlock_create_ruleset",
     )
     try:
-        rules = [(path, read) for path in readable] + [(workdir, read | write)]
+        rules = [(path, LANDLOCK_EXECUTE | read) for path in readable] + [(workdir, read | write)]
         rules.append(("/dev", read | LANDLOCK_WRITE_FILE | (LANDLOCK_TRUNCATE if abi >= 3 else 0)))
         if shm:
             rules.append(("/dev/shm", read | write))

@@ -16,6 +16,14 @@ a Python tool never needs, through ctypes. Standard library only (the supervisor
 - ``unshare`` and ``clone`` with CLONE_NEWUSER: EPERM; ``clone3``: ENOSYS, so that glibc and Python
   fall back to ``clone``, whose flags the filter can read. In a user namespace of its own a program
   could make a network namespace whose socket buffers no cgroup v1 charges.
+- ``prctl(PR_SET_NAME)``, ``symlink``/``symlinkat`` and ``execveat`` with AT_EMPTY_PATH: EPERM. The
+  kernel logs a process's name (its comm) when it segfaults or is OOM-killed; with these refused,
+  and the writable directories noexec (or Landlock allowing execution only in the system
+  directories), a process is named after a file that already exists where the program cannot
+  write: ``execve`` takes the name from the path's last component, which a symlink to the
+  interpreter would choose, and ``fexecve`` from the file (``memfd:<any name>``). Hard links stay
+  (glibc's ``sem_open``, hence multiprocessing's locks, makes one): a link lives on its file's
+  mount, so one the program can make is as unexecutable as the files it writes.
 - a system call of another ABI (32-bit x86, x32): the process is killed.
 
 Only x86_64 and aarch64 are known (by system call number); elsewhere ``unsupported`` says why
@@ -38,17 +46,22 @@ BPF_LD_W_ABS, BPF_ALU_AND_K, BPF_JEQ_K, BPF_JGE_K, BPF_JGT_K, BPF_JSET_K, BPF_RE
 AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
 SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 2, 5, 0xF
 IPPROTO_TCP, IPPROTO_UDP, NETLINK_ROUTE = 6, 17, 0
-CLONE_NEWUSER = 0x10000000
+CLONE_NEWUSER, PR_SET_NAME, AT_EMPTY_PATH = 0x10000000, 15, 0x1000
 IO_URING_FIRST, IO_URING_LAST, NR_CLONE3 = 425, 427, 435  # the same numbers on every arch
 X32_SYSCALL_BIT = 0x40000000
 ARCHES = {  # machine: AUDIT_ARCH_*, and the system call numbers that differ
     "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "clone": 56, "unshare": 272, "add_key": 248,
-                            "request_key": 249, "keyctl": 250}),
+                            "request_key": 249, "keyctl": 250, "prctl": 157, "execveat": 322, "symlink": 88,
+                            "symlinkat": 266}),
     "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "clone": 220, "unshare": 97, "add_key": 217,
-                             "request_key": 218, "keyctl": 219}),
+                             "request_key": 218, "keyctl": 219, "prctl": 167, "execveat": 281,
+                             "symlinkat": 36}),
 }  # fmt: skip
 KEY_CALLS = ("add_key", "request_key", "keyctl")
-MECHANISMS = ("seccomp:no-unix-sockets", "seccomp:socket-allowlist", "seccomp:no-keys", "seccomp:no-userns")
+SYMLINK_CALLS = ("symlink", "symlinkat")  # aarch64 has only symlinkat
+MECHANISMS = (
+    "seccomp:no-unix-sockets", "seccomp:socket-allowlist", "seccomp:no-keys", "seccomp:no-userns", "seccomp:no-comm",
+)  # fmt: skip
 """What the filter closes, as ``metrics["sandbox"]`` names it."""
 GAPS = ("keys-open", "userns-open", "socket-families-open")
 """What stays open without it (besides Unix-socket IPC, reported as ``unix-ipc-*``)."""
@@ -108,13 +121,21 @@ def filter_program(network: bool) -> list[tuple[int, int, int, int]]:
             (BPF_JEQ_K, numbers["socketpair"], "socketpair", None),
             (BPF_JEQ_K, numbers["clone"], "flags", None),
             (BPF_JEQ_K, numbers["unshare"], "flags", None),
-            *((BPF_JEQ_K, numbers[name], "deny", None) for name in KEY_CALLS),
+            *((BPF_JEQ_K, numbers[name], "deny", None) for name in (*KEY_CALLS, *SYMLINK_CALLS) if name in numbers),
+            (BPF_JEQ_K, numbers["prctl"], "prctl", None),
+            (BPF_JEQ_K, numbers["execveat"], "execveat", None),
             (BPF_JEQ_K, NR_CLONE3, "enosys", None),
             (BPF_JGE_K, IO_URING_FIRST, None, "allow"),
             (BPF_JGT_K, IO_URING_LAST, "allow", "deny"),
             ("flags",),  # clone's and unshare's first argument
             (BPF_LD_W_ABS, arg),
             (BPF_JSET_K, CLONE_NEWUSER, "deny", "allow"),
+            ("prctl",),
+            (BPF_LD_W_ABS, arg),  # option
+            (BPF_JEQ_K, PR_SET_NAME, "deny", "allow"),
+            ("execveat",),
+            (BPF_LD_W_ABS, arg + 32),  # flags, the fifth argument
+            (BPF_JSET_K, AT_EMPTY_PATH, "deny", "allow"),
             ("socket",),
             (BPF_LD_W_ABS, arg),  # domain
             *((BPF_JEQ_K, family, label, None) for family, label in families),

@@ -241,6 +241,10 @@ def _init(
         abstract = netns or landlock >= 6
         mechanisms.append("unix-ipc-partly-open" if private_dirs and abstract else "unix-ipc-open")
         mechanisms += seccomp.GAPS
+    exec_roots = [*SYSTEM_READ_DIRS, *cfg["essential_paths"], *cfg["optional_paths"]]  # Landlock lets these execute
+    fenced = landlock and not any(cfg["workdir"].startswith(root.rstrip("/") + "/") for root in exec_roots)
+    if not (filtered and (fenced or "noexec-tmpfs" in mechanisms)):
+        mechanisms.append("comm-open")  # a process can get a name of the program's choosing (the kernel logs it)
     ipc = "+".join(["seccomp"] * filtered + ["private-dirs"] * private_dirs) or "open"
     err_read, err_write = os.pipe2(os.O_CLOEXEC)
     program = os.fork()
