@@ -109,8 +109,8 @@ def rollout(
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Roll out prompts with tool calls through the embedded engine, SGLang servers or in-process
-    SGLang, and write trajectories to JSONL as they finish. Ctrl-C keeps every finished one;
-    the same command with --resume runs the rest."""
+    SGLang, and write trajectories to JSONL as they finish. Ctrl-C (exit 130) or SIGTERM (143) keeps
+    every finished one; the same command with --resume runs the rest."""
     flags = {
         "task": task, "data": data, "num_prompts": num_prompts, "samples_per_prompt": samples_per_prompt,
         "model": model, "tools": tools, "interactions": interactions, "agent": agent, "out": out, "seed": seed,
@@ -127,12 +127,14 @@ def rollout(
     }  # fmt: skip
     from rollout.api import load_prompts, rollout_summary
     from rollout.output_file import count_lines, finished_pairs, output_lock
+    from trainer.preemption import sigterm_as_ctrl_c
 
     with _errors_for_people():
         job = _load("rollout", config, flags, set_)
         records = load_prompts(job)
     out_path = Path(job.out)
     stack = contextlib.ExitStack()
+    terminated = stack.enter_context(sigterm_as_ctrl_c())  # a scheduler's SIGTERM keeps what Ctrl-C keeps
     try:
         with _errors_for_people():
             stack.enter_context(output_lock(out_path))  # held until the command ends
@@ -145,7 +147,7 @@ def rollout(
         console.print(f"interrupted: {finished} of {total} trajectories finished and are in {out_path}; "
                       f"{total - finished} were cut. The same command with --resume runs those.",
                       highlight=False)  # fmt: skip
-        raise typer.Exit(code=130) from None
+        raise typer.Exit(code=terminated.exit_code) from None  # 130 (Ctrl-C) or 143 (SIGTERM)
     finally:
         stack.close()
     console.print(summary.table())
@@ -192,21 +194,31 @@ def train(
     colocate: bool = typer.Option(
         None, "--colocate/--no-colocate", help="Release the in-process engine's memory for each update (colocate)."
     ),
+    checkpoint_on_signal: str = typer.Option(
+        None, help="Also checkpoint and exit 75 on this signal, e.g. SIGUSR1 (SIGTERM and SIGINT always do)."
+    ),
 ) -> None:
-    """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes."""
+    """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes.
+    SIGTERM, SIGINT or --checkpoint-on-signal: a checkpoint at the next safe point, then exit 75."""
     flags = {
         "steps": steps, "out": out, "model": model, "task": task, "data": data, "agent": agent,
         "prompts_per_step": prompts_per_step,
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
         "engine.urls": engine_url or None, "engine.server": engine_server, "weight_sync.transport": weight_sync,
         "threads": threads, "progress": progress, "async_rl": async_rl, "max_staleness": max_staleness,
-        "colocate": colocate,
+        "colocate": colocate, "checkpoint_on_signal": checkpoint_on_signal,
     }  # fmt: skip
     with _errors_for_people():
         grpo_config = _load("train", config, flags, set_)  # a bad setting fails before torch loads
         from trainer.grpo import train as run_train
+        from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
 
-        history = run_train(grpo_config, resume=resume)
+        try:
+            history = run_train(grpo_config, resume=resume)
+        except Preempted as stop:  # its checkpoint written: 75 (EX_TEMPFAIL) for a scheduler's requeue
+            if stop.is_main:
+                console.print(str(stop), highlight=False)
+            raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
     if history:
         last = history[-1]
         console.print(f"done: step {last['step']}, rollout/accuracy {last['rollout/accuracy']:.3f}; "

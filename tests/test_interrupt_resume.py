@@ -155,13 +155,13 @@ def test_sigkill_during_async_train_then_resume_loses_and_duplicates_no_prompt(t
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_async_train_stops_at_once_and_keeps_the_checkpoints(tmp_path):
+def test_ctrl_c_during_async_train_stops_soon_with_a_checkpoint(tmp_path):
     process, _, run = start_train(tmp_path, steps=50, async_rl=True)
     wait_for(lambda: (run / "checkpoints" / "step-000001").exists(), 240, "the first checkpoint")
     interrupted = time.monotonic()
     process.send_signal(signal.SIGINT)  # mid-rollout, mid-update, whatever is going on
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr[-2000:]
+    assert process.returncode == 75, stderr[-2000:]  # checkpointed, as on SIGTERM (trainer/preemption.py)
     assert time.monotonic() - interrupted < 30  # the update under way finishes; nothing waits for rollouts
     assert "Traceback" not in stderr
     assert not list((run / "checkpoints").glob("*.partial"))  # (resuming it: the SIGKILL test above)

@@ -17,6 +17,7 @@ from data.config_tree import ConfigError, check_fields, load_tree, to_dict
 from rollout.config import GatewayConfig, JudgeConfig, PromptsConfig, RolloutConfig
 from rollout.engines.config import EngineConfig, WeightSyncConfig
 from trainer.lora_config import LoRAConfig
+from trainer.preemption import signal_number
 from trainer.sft_config import SFTConfig
 
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
@@ -172,6 +173,9 @@ class GRPOConfig(PromptsConfig):
     a model directory that ``eval``, ``rollout`` and ``serve`` take as ``--model``."""
     keep_checkpoints: int = 2
     """Checkpoints kept (oldest removed first)."""
+    checkpoint_on_signal: str | None = None
+    """A signal that, like SIGTERM and SIGINT, stops the run at its next safe point with a checkpoint
+    and exit 75 (``trainer/preemption.py``), e.g. SIGUSR1 with SLURM's ``--signal=B:USR1@120``."""
 
     # --- sections ---
     rollout: RolloutConfig = field(default_factory=lambda: _calc_rollout(max_concurrency=256))
@@ -218,6 +222,8 @@ class GRPOConfig(PromptsConfig):
             raise ValueError(f"tis_cap must be > 0 (or null: off), got {self.tis_cap}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.checkpoint_on_signal is not None:
+            self.checkpoint_on_signal = signal_number(self.checkpoint_on_signal).name
         self.check_judge(self.judge)
 
     def to_dict(self) -> dict[str, Any]:

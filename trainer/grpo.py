@@ -49,6 +49,7 @@ from rollout.stats import RolloutCounts, source_metrics, source_sums
 from rollout.tokens import load_tokenizer
 from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
+from trainer.checkpoints import complete_checkpoints
 from trainer.colocation import Colocation, plan_colocation, prepare_sglang, wants_sglang_colocation
 from trainer.config import GRPOConfig
 from trainer.distributed import make_accelerator, max_across_processes, sum_across_processes
@@ -57,6 +58,7 @@ from trainer.grpo_async import train_async
 from trainer.metrics_log import PhaseTimer, append_metrics, console_line, step_progress
 from trainer.policy import Policy
 from trainer.policy_model import compute_dtype, load_lm
+from trainer.preemption import Abandoned, Preempted, Preemption
 from trainer.prompt_stream import PromptStream
 from trainer.run_files import RunFiles, TrainerState
 from trainer.weight_check import logprob_gap
@@ -106,6 +108,8 @@ class GRPOTrainer(RunFiles):
         self.weights = PolicyWeights(self.policy, self.tokenizer, self.out / "weights")  # what a sync sends
         self.last_sync: dict[str, float] = {}  # the sync/ metrics of the last step
         self.colocation: Colocation | None = None  # an in-process engine on the trainer's device: released per update
+        self.preemption = Preemption(self.accelerator, config.checkpoint_on_signal, lambda: self.state.step)
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
 
     @property
     def is_main(self) -> bool:
@@ -139,14 +143,16 @@ class GRPOTrainer(RunFiles):
 
         # 1. rollout: the step's prompts, refilled while filtering leaves it short (this process's share)
         timer = PhaseTimer()
-        with timer("rollout"):
-            requests, draws = await self.roll_out_step(runner)
+        with timer("rollout"):  # (a signal drops it: Abandoned, the step redone after --resume)
+            requests, draws = await self.preemption.abandonable("rollout", self.roll_out_step(runner))
+        await self.preemption.check()  # (a signal to any process meanwhile: Abandoned too)
 
         # 2. advantages (groups live on one process, so they are computed locally)
         samples, group_stats = self.build_samples(requests, config.prompts_per_step)
         group_stats.update(draws)
 
         # 3. update: ppo_epochs passes, gradients accumulated over micro-batches
+        await self.preemption.pause("update")  # (tests only: RALLYRL_TEST_PAUSE_AT)
         with timer("update"):
             self.weights.version = None  # changing: a server that comes back waits for the sync
             if self.colocation is not None:  # the engine's memory, for the update
@@ -154,6 +160,7 @@ class GRPOTrainer(RunFiles):
             update = self.update(samples)
 
         # 4. sync the engine (servers: pause -> weights by broadcast, tensor or disk -> continue)
+        await self.preemption.pause("sync")
         with timer("sync"):
             if self.engine is not None:
                 await self.sync(self.engine, self.state.step + 1)
@@ -294,16 +301,19 @@ class GRPOTrainer(RunFiles):
     # ----- the run: steps, logs, checkpoints ---------------------------------------------------------
 
     async def train(self, resume: bool = False) -> list[dict[str, Any]]:
-        """Run ``config.steps`` steps (from the last checkpoint with ``resume``); returns the metrics."""
+        """Run ``config.steps`` steps (from the last checkpoint with ``resume``); returns the metrics.
+        Preempted after a signal, its checkpoint written (``trainer/preemption.py``)."""
         config = self.config
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         history: list[dict[str, Any]] = []
         if resume:
             history = self.load_checkpoint()
+            self.saved_step = self.state.step if complete_checkpoints(self.out / "checkpoints") else None
         elif self.is_main and (self.out / "metrics.jsonl").exists():
             (self.out / "metrics.jsonl").unlink()
         async with contextlib.AsyncExitStack() as stack:
+            stack.enter_context(self.preemption)  # SIGTERM, SIGINT, checkpoint_on_signal: stop at a safe point
             if self.judge is not None:
                 await stack.enter_async_context(self.judge)
             await enter_interactions(stack, self.interactions)
@@ -340,11 +350,18 @@ class GRPOTrainer(RunFiles):
                     runner = RolloutRunner(self.metered, self.chat, self.tools, config.rollout,
                                            reward_fn=self.reward_fn, progress=False,
                                            interactions=self.interactions, agent=self.agent)  # fmt: skip
-                    while self.state.step < config.steps:
-                        if finished(await self.step(runner)):
-                            self.save_checkpoint()
+                    with contextlib.suppress(Abandoned):  # a signal dropped the step's rollout
+                        while not await self.preemption.stopping() and self.state.step < config.steps:
+                            if finished(await self.step(runner)):
+                                self.save_checkpoint()
+            if self.preemption.stopped:  # the last finished step's checkpoint, then exit 75 (cli.py)
+                raise self.preemption.preempted(self)
         self.save_final(history)
         return history
+
+    def save_checkpoint(self) -> None:
+        super().save_checkpoint()
+        self.saved_step = self.state.step
 
     def log(self, metrics: dict[str, Any]) -> None:
         if self.is_main:
@@ -355,6 +372,10 @@ class GRPOTrainer(RunFiles):
 def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:
     """Run GRPO from a config (the ``rallyrl train`` entry point)."""
     trainer = GRPOTrainer(config)
-    history = run_on_loop(trainer.train(resume=resume), config.event_loop)
+    try:
+        history = run_on_loop(trainer.train(resume=resume), config.event_loop)
+    except Preempted:
+        trainer.accelerator.end_training()
+        raise
     trainer.accelerator.end_training()  # the process group, before the interpreter exits
     return history

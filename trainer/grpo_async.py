@@ -8,6 +8,7 @@ side (the producer, the prompt ledger) is ``trainer/async_rl.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from typing import Any
 
@@ -16,6 +17,7 @@ from trainer.async_rl import Group, GroupProducer, PromptLedger
 from trainer.distributed import sum_across_processes
 from trainer.groups import select_groups
 from trainer.metrics_log import PhaseTimer
+from trainer.preemption import Abandoned
 
 
 async def train_async(trainer: Any, finished: Any) -> None:
@@ -40,32 +42,35 @@ async def train_async(trainer: Any, finished: Any) -> None:
         capacity=(config.max_staleness + 1) * share, seed=config.seed, version=trainer.state.step, discard=no_signal,
         interactions=trainer.interactions, agent=trainer.agent,
     )  # fmt: skip
-    async with producer:
-        while trainer.state.step < config.steps:
-            if finished(await async_step(trainer, producer, share)):
-                await asyncio.to_thread(trainer.save_checkpoint)  # requests go on meanwhile
+    async with producer:  # (on its way out: what is in flight is cancelled, rolled out again after --resume)
+        with contextlib.suppress(Abandoned):  # a signal: the step stops taking groups, and consumes none
+            while not await trainer.preemption.stopping() and trainer.state.step < config.steps:
+                if finished(await async_step(trainer, producer, share)):
+                    await asyncio.to_thread(trainer.save_checkpoint)  # requests go on meanwhile
 
 
 async def async_step(trainer: Any, producer: GroupProducer, share: int) -> dict[str, Any]:
     """Take finished groups until ``share`` have signal (or ``max_draws`` is reached), update on
-    them in a worker thread while rollouts go on, then sync the engine."""
-    config, ledger = trainer.config, trainer.ledger
+    them in a worker thread while rollouts go on, then sync the engine. The groups taken are
+    consumed (in the ledger) once the step goes on to its update: a signal before that abandons it."""
+    config, ledger, preemption = trainer.config, trainer.ledger, trainer.preemption
     version = trainer.state.step
     timer = PhaseTimer()
     cap = max(share, math.floor(share * config.max_draws)) if config.filter_groups else share
     taken: list[AsyncRolloutRequest] = []
+    positions: list[int] = []  # of the groups taken
     kept: list[AsyncRolloutRequest] = []
     trained = draws = dropped = 0
     stats = dict(select_groups([], config.filter_groups, 1)[1])  # every key, so that processes sum alike
     with timer("wait"):
         while trained < share and draws < cap:
-            group, discarded = await producer.next_finished()
+            group, discarded = await preemption.abandonable("wait", producer.next_finished())
             if not discarded and group.staleness(version) > config.max_staleness:  # too late: regenerate
                 ledger.regenerate(group.position, group.attempt)
                 dropped += 1
                 await producer.release()
                 continue
-            ledger.consume(group.position)
+            positions.append(group.position)
             draws += 1
             taken += group.requests
             usable, counts = select_groups(group.requests, config.filter_groups, 1)
@@ -76,11 +81,16 @@ async def async_step(trainer: Any, producer: GroupProducer, share: int) -> dict[
                 trained += 1
             elif not discarded:  # (a producer without ``discard``) its slot reopens now
                 await producer.release()
+    await preemption.check()  # a signal (to any process): Abandoned, the groups taken not consumed
+    for position in positions:
+        ledger.consume(position)
     stats.update(prompts_drawn=draws, draw_cap_hit=float(trained < share), dropped=dropped,
                  queued_groups=producer.queued())  # fmt: skip
+    await preemption.pause("update")  # (tests only: RALLYRL_TEST_PAUSE_AT)
     with timer("update"):
         trainer.weights.version = None  # changing: a server that comes back waits for the sync
         rollout, stats, update = await asyncio.to_thread(async_update, trainer, taken, kept, stats, version)
+    await preemption.pause("sync")
     with timer("sync"):
         await trainer.sync(trainer.engine, version + 1)
     trainer.state.step += 1
@@ -100,4 +110,3 @@ def async_update(trainer: Any, taken: list[AsyncRolloutRequest], kept: list[Asyn
     trained = trainer.rollout_metrics(kept, policy_version=version)  # staleness: of the trained tokens
     rollout.update(staleness_mean=trained["staleness_mean"], staleness_max=trained["staleness_max"])
     return rollout, stats, update
-
