@@ -125,7 +125,10 @@ def tensor_bytes(tensors: object, seen: set[int] | None = None) -> int:
 
     seen = set() if seen is None else seen
     if isinstance(tensors, torch.Tensor):
-        key = tensors.untyped_storage().data_ptr() if tensors.device.type != "meta" else id(tensors)
+        try:
+            key = tensors.untyped_storage().data_ptr() if tensors.device.type != "meta" else id(tensors)
+        except (RuntimeError, NotImplementedError):  # no storage of its own to read (FSDP's sharded views)
+            key = id(tensors)
         if key in seen and key != 0:
             return 0
         seen.add(key)
