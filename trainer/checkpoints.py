@@ -158,7 +158,8 @@ def checkpoint_bytes(model: Any, optimizer: Any, tokenizer: Any, full_state: dic
     the gathered weights of a sharded run, a LoRA adapter, the tokenizer (configs and RNG are small)."""
     optimizer_state = optimizer.state_dict()["state"] if optimizer is not None else {}
     extra = tensor_bytes(full_state) + (adapter_bytes(adapter) if adapter is not None else 0)
-    return tensor_bytes(model.state_dict()) + tensor_bytes(optimizer_state) + extra + tokenizer_bytes(tokenizer)
+    weights = tensor_bytes([*model.parameters(), *model.buffers()])  # (not state_dict(): a collective under FSDP)
+    return weights + tensor_bytes(optimizer_state) + extra + tokenizer_bytes(tokenizer)
 
 
 def complete_checkpoints(parent: Path) -> list[Path]:
