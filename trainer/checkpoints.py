@@ -87,7 +87,7 @@ def save_adapter_dir(peft_model: Any, tokenizer: Any, directory: str | Path, bas
 
 def adapter_bytes(peft_model: Any) -> int:
     """Bytes of a LoRA adapter's weights (its trainable tensors)."""
-    return sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
+    return tensor_bytes([p for p in peft_model.parameters() if p.requires_grad])
 
 
 def copy_model_dir(source: str | Path, directory: str | Path) -> Path:

@@ -54,6 +54,7 @@ def load_merged(adapter_dir: str | Path, dtype: Any = None) -> Any:
 def export_merged(adapter_dir: str | Path, out_dir: str | Path, dtype: Any = None) -> Path:
     """A merged model directory (weights, config, tokenizer) from an adapter directory, written
     atomically: what SGLang and vLLM load as any model."""
+    from data.disk_space import tensor_bytes
     from data.files import atomic_directory
     from rollout.tokens import load_tokenizer
 
@@ -65,7 +66,7 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, dtype: Any = Non
         model.save_pretrained(partial, safe_serialization=True)
         tokenizer.save_pretrained(partial)
 
-    needed = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    needed = tensor_bytes(model.state_dict())
     return atomic_directory(Path(out_dir), write, needed, "merged model")
 
 
