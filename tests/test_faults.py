@@ -36,6 +36,8 @@ BODY = {"text": "What is 2+2?", "sampling_params": {"max_new_tokens": 512, "temp
 FAULTS = ("--fault-error-rate", "0.1", "--fault-hang-rate", "0.05", "--fault-drop-rate", "0.05")
 FAST_RETRIES = SGLangHTTPConfig(timeout_s=2.0, max_retries=6, backoff_s=0.05, backoff_max_s=0.5)
 """A hung attempt is given up after 2 s and retried within half a second."""
+ROLLOUT_RETRIES = replace(FAST_RETRIES, timeout_s=6.0)
+"""For a rollout 32 requests at a time on one CPU server, whose answers take 2 s on a loaded machine."""
 
 
 @pytest.fixture(scope="module")
@@ -228,14 +230,14 @@ def assert_faults_injected(stats: dict[str, Any]) -> None:
 async def test_a_1024_request_rollout_through_a_faulty_server_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "out.jsonl"
     with serve_processes(EMBEDDED_MODEL, tmp_path, 1, *FAULTS, "--fault-seed", "1") as (server,):
-        async with SGLangHTTPEngine(server.url, FAST_RETRIES) as engine:
+        async with SGLangHTTPEngine(server.url, ROLLOUT_RETRIES) as engine:
             result = await calc_runner(engine, max_concurrency=32).run(make_task("calc", 256, seed=11), 4, out)
         stats = server_fault_stats(server.url)
     assert_all_accounted(result, out, 1024)  # count in = count out, ids unique, lines valid, errors recorded
     assert_faults_injected(stats)
     errors = [r.error for r in result.requests if r.finish_reason.value == "error"]
     # retries absorb the faults (7 faulted attempts in a row are rare); on a loaded machine a few
-    # ordinary generations also outlast the short per-attempt timeout, hence the margin
+    # ordinary generations, 32 at a time on one CPU server, also outlast the per-attempt timeout
     assert len(errors) <= 50, errors[:3]
 
 
