@@ -144,12 +144,18 @@ ATTEMPTS = 5
 on two workers over two cores), so one slow probe may be another process's doing; an attack that blocks
 the server's event loop is slow in every run. (Three were not enough on a slower machine: a CI run saw
 108 and 119 ms, in all three runs of two attacks, while the other worker ran its tests.)"""
+APART_S = 4.0
+"""Seconds between those runs, so that they are spread over more than one of the other worker's tests (in
+a suite run here, all five runs of "200 requests at once" fell within one busy stretch of the other worker,
+at 110-162 ms, while the attack passes run alone, beside two CPU-bound processes, and in its file alone)."""
 
 
 async def attack_until_fast(url: str, pid: int, probe: HealthProbe, attack: Attack,
                             normal: Callable[[aiohttp.ClientSession], Awaitable[Any]]) -> Outcome:  # fmt: skip
     """``run_attack`` up to ``ATTEMPTS`` times, until ``/health`` was fast throughout one run."""
-    for _ in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            await asyncio.sleep(APART_S)
         outcome = await run_attack(url, pid, probe, attack, normal)
         if outcome.health_fast:
             break
