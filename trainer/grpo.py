@@ -154,10 +154,10 @@ class GRPOTrainer(RunFiles):
         # 3. update: ppo_epochs passes, gradients accumulated over micro-batches
         await self.preemption.pause("update")  # (tests only: RALLYRL_TEST_PAUSE_AT)
         with timer("update"):
-            self.weights.version = None  # changing: a server that comes back waits for the sync
-            if self.colocation is not None:  # the engine's memory, for the update
-                await self.colocation.release()
-            update = self.update(samples)
+            async with self.weights.changing():  # (a server brought back meanwhile waits for the sync)
+                if self.colocation is not None:  # the engine's memory, for the update
+                    await self.colocation.release()
+                update = self.update(samples)
 
         # 4. sync the engine (servers: pause -> weights by broadcast, tensor or disk -> continue)
         await self.preemption.pause("sync")

@@ -88,8 +88,8 @@ async def async_step(trainer: Any, producer: GroupProducer, share: int) -> dict[
                  queued_groups=producer.queued())  # fmt: skip
     await preemption.pause("update")  # (tests only: RALLYRL_TEST_PAUSE_AT)
     with timer("update"):
-        trainer.weights.version = None  # changing: a server that comes back waits for the sync
-        rollout, stats, update = await asyncio.to_thread(async_update, trainer, taken, kept, stats, version)
+        async with trainer.weights.changing():  # (a server brought back meanwhile waits for the sync)
+            rollout, stats, update = await asyncio.to_thread(async_update, trainer, taken, kept, stats, version)
     await preemption.pause("sync")
     with timer("sync"):
         await trainer.sync(trainer.engine, version + 1)

@@ -5,14 +5,18 @@ Hugging Face names; a LoRA run's weights merged with the adapter one tensor at a
 asks for them (never the whole merged model at once); a tied LM head sent once, under the input
 embeddings' name (``aliases`` names it, for an engine that keeps a copy of the head: vLLM on a CPU);
 under FSDP the full weights gathered for the sync by every process. ``version`` is the version the
-weights are, None while the trainer changes them (an optimizer step): a server that comes back then
-waits for the next push rather than taking half-stepped weights. ``saved`` writes them as a model
+weights are, None while the trainer changes them (``changing``: an optimizer step): a server that
+comes back then waits for the next push rather than taking half-stepped weights, and a push that
+brings one back holds them (``reading``) so that no step starts under it. Under FSDP the full
+weights exist only during a sync, so a server that comes back waits for the next one. ``saved`` writes them as a model
 directory, once per version, for the servers that load from disk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +80,7 @@ class PolicyWeights:
         self._current: dict[str, torch.Tensor] | None = None  # name -> tensor, read once per push
         self._saved: tuple[int, Path] | None = None
         self._saving = asyncio.Lock()
+        self._held = asyncio.Lock()  # a push reading the weights (``reading``), or an optimizer step (``changing``)
 
     # ----- the WeightSource protocol -------------------------------------------------------------
 
@@ -98,7 +103,26 @@ class PolicyWeights:
                 self._saved = (version, path)
             return str(self._saved[1].resolve())
 
+    @contextlib.asynccontextmanager
+    async def reading(self, version: int) -> AsyncIterator[bool]:
+        readable = self.version == version and not self._held.locked()
+        if self.policy.sharded and self._gathered is None:
+            readable = False  # (the full weights exist only during a sync: every process gathers them)
+        if not readable:
+            yield False
+            return
+        async with self._held:  # (free: taken at once, with nothing run in between)
+            yield True
+
     # ----- the trainer's side --------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def changing(self) -> AsyncIterator[None]:
+        """The trainer changes its weights inside (an optimizer step): waits for a push reading them to
+        end, and none starts until the next sync names their new version (``version`` is None)."""
+        async with self._held:
+            self.version = None
+            yield
 
     def gather(self) -> None:
         """Under FSDP: the full weights of this version, gathered by every process (a collective)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -175,6 +176,12 @@ class WeightSource(Protocol):
 
     async def saved(self, version: int) -> str:
         """The weights saved as a model directory a server can load (once per version): the disk transport."""
+        ...
+
+    def reading(self, version: int) -> AbstractAsyncContextManager[bool]:
+        """Hold the weights as ``version`` for a push outside the trainer's own sync (a server brought
+        back): enters True, and no optimizer step starts until it exits; False (nothing held) when they
+        cannot be read as ``version`` now (changing, or readable only during a sync: FSDP)."""
         ...
 
 

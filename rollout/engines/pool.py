@@ -292,7 +292,10 @@ class EnginePool:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(server) for server in self.servers))
+            results = await asyncio.gather(*(self._check(server) for server in self.servers), return_exceptions=True)
+            for server, error in zip(self.servers, results, strict=True):  # (a bug of ours must not end the checks)
+                if isinstance(error, Exception):
+                    logger.error("engine pool: checking %s: %s: %s", server.url, type(error).__name__, error)
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _check(self, server: _Server) -> None:

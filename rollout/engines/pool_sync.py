@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.engines.base import EngineError, WeightSource
 from rollout.engines.config import WeightSyncConfig
-from rollout.engines.weight_plan import check_shapes, choose_transport
+from rollout.engines.weight_plan import check_limits, check_shapes, choose_transport
 from rollout.engines.weight_push import Receiver, push_buckets
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ class ServerSync:
         self.receiver: Receiver | None = None
         self.version: int | None = 0
         """The version it holds (None: unknown, it was out and may have restarted)."""
+        self.waiting = False
+        """It answers again but could not be synced then (the trainer's weights were changing, or are
+        readable only during a sync: FSDP): the next push takes it."""
 
 
 class PoolWeights:
@@ -79,6 +82,7 @@ class PoolWeights:
         transport = choose_transport(support, self.config, self.device)
         check_shapes(source.specs(), support)
         if transport != "disk":
+            check_limits(source.specs(), support, transport, self.config.bucket_bytes)
             dtype = support.dtype or source.specs()[0].dtype
             server.sync.receiver = server.engine.weight_receiver(transport, support, self.config, self.device, dtype,
                                                                  dict(source.aliases))  # fmt: skip
@@ -95,7 +99,7 @@ class PoolWeights:
         EngineError when every server failed."""
         async with self.lock:
             self.version, self.source, self.path, self.adapter = version, source, None, False
-            targets = [s for s in servers if s.healthy]
+            targets = [s for s in servers if s.healthy or s.sync.waiting]
             errors = await self._push(targets, source, version)
             return self._settle(targets, errors, version, eject)
 
@@ -119,6 +123,18 @@ class PoolWeights:
                 errors[server] = f"{server.url}: pausing for the weight update: {result}"
             else:
                 paused.append(server)
+        try:
+            await self._move(paused, source, version, errors)
+        except Exception as exc:  # (a bug or an OOM of ours: every server paused failed, none left paused for ever)
+            logger.exception("engine pool: weight update %s", version)
+            errors.update({s: f"{s.url}: weight update {version}: {type(exc).__name__}: {exc}" for s in paused
+                           if s not in errors})  # fmt: skip
+        finally:
+            await asyncio.gather(*(self._continue(s, s not in errors or s.sync.receiver is None) for s in paused))
+        return errors
+
+    async def _move(self, paused: Sequence[Any], source: WeightSource, version: int, errors: dict[Any, str]) -> None:
+        """The weights into the ``paused`` servers, each by its transport; then their versions read back."""
         by_disk = [s for s in paused if s.sync.receiver is None]
         in_memory = [s for s in paused if s.sync.receiver is not None]
         if by_disk:
@@ -133,8 +149,6 @@ class PoolWeights:
                                         self.config.timeout_s)  # fmt: skip
             errors.update({receivers[r]: reason for r, reason in failed.items()})
         await self._read_back([s for s in paused if s not in errors], version, errors)
-        await asyncio.gather(*(self._continue(s, s not in errors or s.sync.receiver is None) for s in paused))
-        return errors
 
     async def _read_back(self, servers: Sequence[Any], version: int, errors: dict[Any, str]) -> None:
         """Each server's version as it reports it now; one that reports another is an error."""
@@ -165,7 +179,7 @@ class PoolWeights:
                 eject(server, errors[server])
                 versions[server.url] = None
             else:
-                server.sync.version = version
+                server.sync.version, server.sync.waiting = version, False
                 versions[server.url] = version
         if targets and len(errors) == len(targets):
             raise EngineError(f"weight update {version} failed on every server: {'; '.join(errors.values())}")
@@ -219,22 +233,27 @@ class PoolWeights:
             return True
 
     async def _bring_back_pushed(self, server: Any) -> bool:
+        """Push the trainer's weights into ``server`` alone, holding them (``WeightSource.reading``) so
+        that no optimizer step changes them meanwhile; when they cannot be read now, the next push
+        takes it (``waiting``)."""
         source = self.source
         assert source is not None
-        if source.version != self.version:
-            return False  # the trainer's weights are changing: at its next push or the check after it
-        if server.sync.receiver is not None:
-            await server.sync.receiver.abandon()  # its group and session died with the old process
-        errors = await self._push([server], source, self.version)
-        if not errors:
-            return True
-        logger.warning("engine pool: %s; loading the saved weights instead", errors[server])
-        try:  # the weights saved on disk: a group that cannot be made again
-            path = await source.saved(self.version)
-            await server.engine.sync_weights_from_disk(path, self.version)
-        except EngineError as exc:
-            logger.warning("engine pool: %s could not load %s either: %s", server.url, self.version, exc)
-            return False
+        async with source.reading(self.version) as readable:
+            if not readable:  # changing now, or readable only in a sync (FSDP): the next push takes it
+                server.sync.waiting = True
+                return False
+            if server.sync.receiver is not None:
+                await server.sync.receiver.abandon()  # its group and session died with the old process
+            errors = await self._push([server], source, self.version)
+            if not errors:
+                return True
+            logger.warning("engine pool: %s; loading the saved weights instead", errors[server])
+            try:  # the weights saved on disk: a group that cannot be made again
+                path = await source.saved(self.version)
+                await server.engine.sync_weights_from_disk(path, self.version)
+            except EngineError as exc:
+                logger.warning("engine pool: %s could not load %s either: %s", server.url, self.version, exc)
+                return False
         return True
 
     async def close(self, servers: Sequence[Any]) -> None:

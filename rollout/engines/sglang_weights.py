@@ -15,9 +15,11 @@ What the server offers (SGLang 0.5.23, ``sglang/srt/entrypoints/http_server.py``
 The server records a ``weight_version`` as soon as an update that names it has loaded, so only the
 last bucket names it (and flushes the cache); generation is paused by the caller for the whole sync,
 and the caller reads the version back from ``/get_model_info`` after ``end``. After a failure, ``abandon``
-leaves the group and leaves the session open (its half-loaded weights must not serve: rallyrl serve
-refuses to continue, and the caller does not ask SGLang to); the next sync ends it, makes a new group
-and pushes every bucket.
+leaves the group and ends the session (its half-loaded weights must not serve: rallyrl serve ends
+such a session as a failure and refuses to continue, and the caller does not ask SGLang to; ending
+it lets a load from disk through); the next sync makes a new group and pushes every bucket. The
+trainer's collectives go on a daemon thread of the receiver's, never the event loop's
+(``weight_collectives.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from typing import Any, Protocol
 
 import torch
 
+from rollout.engines import weight_collectives
 from rollout.engines.base import EngineError
+from rollout.engines.daemon_threads import DaemonThreads
 from rollout.engines.tensor_payload import payload_chunks, pickle_named_tensors
 from rollout.engines.weight_buckets import Bucket, bucket_views
-from rollout.engines.weight_group import destroy_weight_group
 from rollout.engines.weight_plan import ServerWeights, sglang_dtype
-from rollout.engines.weight_push import Receiver, Tensors, broadcast, open_group, side_by_side
+from rollout.engines.weight_push import QUICK_S, Receiver, Tensors, destroy_group, open_group, side_by_side
 
 
 class SGLangClient(Protocol):
@@ -51,8 +54,6 @@ class SGLangClient(Protocol):
 
 RALLYRL_SERVE = "rallyrl"
 """How ``rallyrl serve`` begins its ``/get_server_info`` ``version``."""
-QUICK_S = 5.0
-"""Deadline of leaving a group after a failure (a server that failed may not answer at all)."""
 
 
 async def sglang_weight_support(client: SGLangClient, local: bool) -> ServerWeights:
@@ -68,11 +69,18 @@ async def sglang_weight_support(client: SGLangClient, local: bool) -> ServerWeig
     if pp > 1 or dp > 1:
         broadcast = (f"{client.url} runs {pp} pipeline stages and {dp} data-parallel replicas: SGLang's weight "
                      "groups take tensor parallel workers only")  # fmt: skip
+    limits = info.get("weight_limits") if ours and isinstance(info.get("weight_limits"), dict) else {}
     return ServerWeights(
         url=client.url, kind=kind, device=str(info.get("device") or "cuda"), local=local,
         dtype=sglang_dtype(info.get("dtype"), model_config), broadcast=broadcast, tensor=None,
-        model_config=model_config, world_size=tp,
+        model_config=model_config, world_size=tp, max_bucket_bytes=_limit(limits, "max_bucket_bytes"),
+        max_body_bytes=_limit(limits, "max_tensor_body_bytes"),
     )  # fmt: skip
+
+
+def _limit(limits: dict[str, Any], key: str) -> int | None:
+    value = limits.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _read_config(model_path: object) -> dict[str, Any] | None:
@@ -114,25 +122,29 @@ class SGLangSession(Receiver):
         self.client.weight_version = version
 
     async def abandon(self) -> None:
-        """Nothing on the server: its session stays open (and it stays paused), since it may hold part
-        of the new weights and ending the session would let it serve them. The next ``begin`` ends
-        it first, then pushes everything."""
+        """End the session on the server (best effort, quickly: it may not answer). Its weights may be
+        partly new, so it must not serve them: the pool leaves it paused (and rallyrl serve refuses to
+        continue until a whole update), and a load from disk, which an open session would hold up, can
+        make them whole again. The next ``begin`` opens a new session and pushes everything."""
+        with contextlib.suppress(EngineError, TimeoutError):
+            await self.client.weight_call("/end_weight_update", {}, min(self.timeout_s, QUICK_S))
 
 
 class SGLangBroadcast(SGLangSession):
-    """Buckets broadcast from the trainer (rank 0) to the server's workers (ranks 1..tp)."""
+    """Buckets broadcast from the trainer (rank 0) to the server's workers (ranks 1..tp). The trainer's
+    collectives go on a daemon thread of this receiver's (``weight_collectives.py`` says why)."""
 
     transport = "broadcast"
 
     def __init__(self, client: SGLangClient, server: ServerWeights, dtype: torch.dtype, backend: str,
                  master_address: str | None, timeout_s: float):  # fmt: skip
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
-        super().__init__(client, server, dtype, device, timeout_s)
+        super().__init__(client, server, dtype, weight_collectives.active.device(backend), timeout_s)
         self.flat = backend == "nccl"  # gloo: each tensor from the trainer's memory (SGLang's per-tensor format)
         self.backend = backend
         self.master_address = master_address
         self.group: Any = None
         self.group_name = ""
+        self.threads: DaemonThreads | None = None
 
     def describe(self) -> str:
         return f"broadcast ({self.backend})"
@@ -144,34 +156,49 @@ class SGLangBroadcast(SGLangSession):
 
     async def _join(self) -> None:
         """Make the group: the server's call and the trainer's side of the rendezvous, side by side."""
+        ours = self.server.kind == "rallyrl serve"  # (SGLang's join takes no deadline: torch's 30 minutes)
 
         async def join(address: str, port: int, name: str) -> Any:
             return await self._call("/init_weights_update_group", {
                 "master_address": address, "master_port": port, "rank_offset": 1,
                 "world_size": 1 + self.server.world_size, "group_name": name, "backend": self.backend,
+                **({"timeout_s": self.timeout_s} if ours else {}),
             })  # fmt: skip
 
+        async def leave(name: str) -> Any:
+            return await self.client.weight_call("/destroy_weights_update_group", {"group_name": name}, QUICK_S)
+
+        self.threads = DaemonThreads(1, "rallyrl-weight-broadcast")
         self.group, self.group_name = await open_group(
-            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join
-        )
+            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join, leave,
+            self.threads,
+        )  # fmt: skip
 
     async def send(self, bucket: Bucket, payload: torch.Tensor | Tensors, count: int, version: int) -> None:
-        """Broadcast the bucket beside its call; return with the call's answer (the next bucket's call
-        goes only then: the server must take the calls, and so the broadcasts, in order)."""
+        """The bucket's call first, its broadcast issued beside it; return with the call's answer (the
+        next bucket's call goes only then: the server must take the calls, and so the broadcasts, in
+        order)."""
+        assert self.threads is not None, "begin first"
         body = {**bucket.payload(), "group_name": self.group_name, **self._fields(bucket, count, version)}
         if self.flat:
             body["load_format"] = "flattened_bucket"
         call = asyncio.ensure_future(self._call("/update_weights_from_distributed", body))
-        await side_by_side(call, broadcast(payload, self.group), self.url)
+        issue = self.threads.run(weight_collectives.active.broadcast, payload, self.group)
+        await side_by_side(call, issue, self.url)
 
     async def abandon(self) -> None:
-        """Leave the group on both sides (the server's side best effort: it may not answer)."""
+        """Leave the group on both sides (the server's side best effort: it may not answer; an NCCL
+        group aborted on ours, which ends a broadcast still waiting for it), then end the session."""
         if self.group is not None:
             group, self.group = self.group, None
             with contextlib.suppress(EngineError, TimeoutError):
                 body = {"group_name": self.group_name}
                 await self.client.weight_call("/destroy_weights_update_group", body, min(self.timeout_s, QUICK_S))
-            destroy_weight_group(group)
+            await destroy_group(group)
+        if self.threads is not None:  # (a thread stuck in a collective stays behind, a daemon)
+            self.threads.shutdown()
+            self.threads = None
+        await super().abandon()
 
 
 class SGLangTensor(SGLangSession):

@@ -23,12 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
+from rollout.engines import weight_collectives
 from rollout.engines.base import EngineError
+from rollout.engines.daemon_threads import DaemonThreads
 from rollout.engines.launch import VLLM_EXTENSION
 from rollout.engines.weight_buckets import DTYPES, Bucket
-from rollout.engines.weight_group import destroy_weight_group
 from rollout.engines.weight_plan import ServerWeights
-from rollout.engines.weight_push import Receiver, Tensors, broadcast, open_group, side_by_side
+from rollout.engines.weight_push import QUICK_S, Receiver, Tensors, destroy_group, open_group, side_by_side
 
 
 class VLLMClient(Protocol):
@@ -91,7 +92,7 @@ class VLLMBroadcast(Receiver):
 
     def __init__(self, client: VLLMClient, server: ServerWeights, dtype: torch.dtype, backend: str,
                  master_address: str | None, timeout_s: float, aliases: dict[str, str]):  # fmt: skip
-        super().__init__(client.url, dtype, torch.device("cuda" if backend == "nccl" else "cpu"), timeout_s)
+        super().__init__(client.url, dtype, weight_collectives.active.device(backend), timeout_s)
         self.flat = backend == "nccl"  # gloo: each tensor from the trainer's memory
         self.client = client
         self.server = server
@@ -101,6 +102,7 @@ class VLLMBroadcast(Receiver):
         self.group: Any = None
         self.group_name = ""
         self._load: asyncio.Future[Any] | None = None
+        self.threads: DaemonThreads | None = None  # where the trainer's collectives are issued
 
     def describe(self) -> str:
         return f"broadcast ({self.backend}, worker extension)"
@@ -120,9 +122,14 @@ class VLLMBroadcast(Receiver):
                 timeout_s=self.timeout_s,
             )  # fmt: skip
 
+        async def leave(name: str) -> Any:
+            return await self._rpc("rallyrl_leave_weight_group", QUICK_S, group_name=name)
+
+        self.threads = DaemonThreads(1, "rallyrl-weight-broadcast")
         self.group, self.group_name = await open_group(
-            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join
-        )
+            self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join, leave,
+            self.threads,
+        )  # fmt: skip
 
     async def begin(self, version: int, buckets: Sequence[Bucket]) -> None:
         if self.group is None:
@@ -134,8 +141,9 @@ class VLLMBroadcast(Receiver):
         ))  # fmt: skip
 
     async def send(self, bucket: Bucket, payload: torch.Tensor | Tensors, count: int, version: int) -> None:
-        assert self._load is not None, "begin first"
-        await side_by_side(self._load, broadcast(payload, self.group), self.url, wait_for_call=False)
+        assert self._load is not None and self.threads is not None, "begin first"
+        issue = self.threads.run(weight_collectives.active.broadcast, payload, self.group)
+        await side_by_side(self._load, issue, self.url, wait_for_call=False)
 
     async def end(self, version: int) -> None:
         assert self._load is not None, "begin first"
@@ -152,5 +160,8 @@ class VLLMBroadcast(Receiver):
         if self.group is not None:
             group, self.group = self.group, None
             with contextlib.suppress(EngineError, TimeoutError):  # (best effort: it may not answer)
-                await self._rpc("rallyrl_leave_weight_group", min(self.timeout_s, 5.0), group_name=self.group_name)
-            destroy_weight_group(group)
+                await self._rpc("rallyrl_leave_weight_group", min(self.timeout_s, QUICK_S), group_name=self.group_name)
+            await destroy_group(group)  # (an NCCL group aborted: a broadcast waiting for the server ends)
+        if self.threads is not None:  # (a thread stuck in a collective stays behind, a daemon)
+            self.threads.shutdown()
+            self.threads = None

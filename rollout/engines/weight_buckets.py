@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,6 +81,14 @@ class Bucket:
         """"bucket 2/5 (12 tensors, 512.0 MiB, float32)"."""
         return (f"bucket {self.index + 1}/{count} ({len(self.specs)} tensors, {self.nbytes / 2**20:.1f} MiB, "
                 f"{dtype_name(self.dtype)})")  # fmt: skip
+
+
+def target_specs(specs: Sequence[WeightSpec], dtype: torch.dtype | None) -> list[WeightSpec]:
+    """``specs`` as a server of ``dtype`` takes them: floating tensors in its dtype, others as they are
+    (``dtype`` None: all as they are)."""
+    if dtype is None:
+        return list(specs)
+    return [replace(spec, dtype=dtype) if spec.dtype.is_floating_point else spec for spec in specs]
 
 
 def plan_buckets(specs: Sequence[WeightSpec], bucket_bytes: int) -> list[Bucket]:

@@ -5,44 +5,95 @@ a store prefixed by the group's name, then a group that is not torch's default o
 side must make it the same way: a plain ``torch.distributed.init_process_group`` reads other store
 keys and waits forever. ``init_weight_group`` does what SGLang does, with torch's own pieces; rallyrl
 serve and rallyrl's vLLM worker extension join with it too. Rank 0 (the trainer) serves the
-rendezvous store on ``master_address:master_port``: loopback for servers on the same machine, else
-the trainer's address on the route to the server (``address_towards``). ``backend`` is passed to
-torch: gloo on a CPU, NCCL between GPUs. Torch only (the vLLM worker extension imports it).
+rendezvous store on ``master_address:master_port`` and nowhere else (``bind_store``): loopback for
+servers on the same machine, else the trainer's address on the route to the server
+(``address_towards``). ``backend`` is passed to torch: gloo on a CPU, NCCL between GPUs, whose
+communicator is made with the group when the rank names its device. Torch only (the vLLM worker
+extension imports it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import socket
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
 def init_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                      group_name: str, timeout_s: float) -> Any:  # fmt: skip
+                      group_name: str, timeout_s: float, device: torch.device | None = None,
+                      listen: socket.socket | None = None) -> Any:  # fmt: skip
     """Join (rank 0: open) the group ``group_name`` of ``world_size`` ranks, as SGLang's
-    ``init_custom_process_group`` does; every collective in it fails after ``timeout_s``."""
+    ``init_custom_process_group`` does; every collective in it fails after ``timeout_s``.
+
+    Rank 0 serves the rendezvous store on ``listen`` (``bind_store``: a socket bound to the address
+    it names, so that the store listens nowhere else; torch's own binds every interface). With
+    NCCL, ``device`` (the GPU of this rank) makes the communicator now, within this call: without
+    it NCCL makes it in the first collective, which then blocks its caller until every rank has
+    joined (a caller on an event loop would never send the request that makes the server join)."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if not group_name:
         raise ValueError("a weight group needs a name")
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{_host_in_url(master_address)}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    if rank == 0 and listen is not None:
+        store = _store_on(listen, master_address, world_size, timeout)
+    else:
+        url = f"tcp://{_host_in_url(master_address)}:{master_port}"
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    device_id = device if backend == "nccl" and device is not None and device.type == "cuda" else None
+    if device_id is not None and device_id.index is None:
+        device_id = torch.device("cuda", torch.cuda.current_device())
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        backend_options=None, timeout=timeout,
+        backend_options=None, timeout=timeout, device_id=device_id,
     )  # fmt: skip
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
 
+def bind_store(address: str) -> socket.socket:
+    """A listening socket on ``address`` (a free port) for rank 0's rendezvous store: the store listens
+    there and nowhere else. ``init_weight_group(listen=...)`` takes it over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _store_on(listen: socket.socket, address: str, world_size: int, timeout: timedelta) -> Any:
+    """Rank 0's store, serving on the already bound ``listen`` (its descriptor goes to the store)."""
+    from torch.distributed import TCPStore
+
+    port = listen.getsockname()[1]
+    fd = listen.detach()  # the store's from now on (libuv closes it with the store)
+    try:
+        return TCPStore(address, port, world_size, True, timeout, wait_for_workers=True, master_listen_fd=fd,
+                        use_libuv=True)  # fmt: skip
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
 def destroy_weight_group(group: Any) -> None:
-    """Forget ``group`` (its connections close); quiet when it is already gone."""
+    """Forget ``group`` (its connections close); quiet when it is already gone. An NCCL group is
+    aborted first: a broadcast still waiting on a peer that died would otherwise never end."""
+    with contextlib.suppress(ValueError, RuntimeError, KeyError, AttributeError):
+        if dist.get_backend(group) == "nccl":
+            group.abort()
     with contextlib.suppress(ValueError, RuntimeError, KeyError):
         dist.destroy_process_group(group)
 

@@ -25,7 +25,7 @@ import torch
 
 from rollout.engines.base import EngineError
 from rollout.engines.config import WeightSyncConfig
-from rollout.engines.weight_buckets import WeightSpec
+from rollout.engines.weight_buckets import WeightSpec, target_specs
 
 Transport = Literal["disk", "broadcast", "tensor"]
 logger = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class ServerWeights:
     """Its model's ``config.json`` (None: unknown here; the shapes are then checked by the server as it loads)."""
     world_size: int = 1
     """Its ranks in a broadcast group (tensor parallel workers)."""
+    max_bucket_bytes: int | None = None
+    """The largest broadcast bucket it allocates for (None: no limit known; rallyrl serve says)."""
+    max_body_bytes: int | None = None
+    """The largest ``/update_weights_from_tensor`` body it reads (None: no limit known)."""
 
     def label(self) -> str:
         dtype = "" if self.dtype is None else f", {str(self.dtype).removeprefix('torch.')}"
@@ -128,6 +132,27 @@ def check_shapes(specs: Sequence[WeightSpec], server: ServerWeights) -> None:
     if missing:
         raise WeightSyncError(f"{where}: the trainer has no {missing[0]} (shape {list(theirs[missing[0]])} there)"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))  # fmt: skip
+
+
+def check_limits(specs: Sequence[WeightSpec], server: ServerWeights, transport: Transport, bucket_bytes: int) -> None:
+    """WeightSyncError, before the first step, when a bucket or a tensor would be over what the server
+    takes by ``transport`` (a bucket of ``bucket_bytes``; a tensor larger goes alone); nothing when it
+    states no limit. A tensor payload travels as base64 in a JSON body (4/3 of its bytes, and a margin)."""
+    tensor = transport == "tensor"
+    limit = server.max_body_bytes if tensor else server.max_bucket_bytes
+    if limit is None:
+        return
+    mib = 2**20
+    most = (limit - mib) * 3 // 4 if tensor else limit  # the most bytes of weights one body or bucket holds
+    unit = "tensor body" if tensor else "broadcast bucket"
+    for spec in target_specs(specs, server.dtype):
+        if spec.nbytes > most:
+            raise WeightSyncError(f"{server.url} takes at most {limit / mib:.0f} MiB per {unit}, and {spec.name} "
+                                  f"alone is {spec.nbytes / mib:.0f} MiB: use weight_sync.transport disk for this "
+                                  "model")  # fmt: skip
+    if bucket_bytes > most:
+        raise WeightSyncError(f"{server.url} takes at most {limit / mib:.0f} MiB per {unit}: weight_sync.bucket_mb "
+                              f"{bucket_bytes // mib} is over it (set it to {most // mib} or less)")  # fmt: skip
 
 
 def sglang_dtype(server_dtype: str | None, model_config: dict[str, Any] | None) -> torch.dtype | None:

@@ -1,20 +1,22 @@
-"""A weight push: the trainer's weights into servers, in memory, in buckets, every wait with a deadline.
+"""A weight push: the trainer's weights into servers, in memory, in buckets, every wait with a
+deadline.
 
-The trainer hands a ``WeightSource`` (``trainer/weight_source.py``); each server that takes weights in
-memory has a ``Receiver`` (``sglang_weights.py`` for SGLang and ``rallyrl serve``, ``vllm_weights.py``
-for vLLM). ``push_buckets`` cuts the source into buckets once per (dtype, device, form) the receivers
-want and hands each bucket to every receiver side by side:
+The trainer hands a ``WeightSource`` (``trainer/weight_source.py``); each server that takes weights
+in memory has a ``Receiver`` (``sglang_weights.py`` for SGLang and ``rallyrl serve``,
+``vllm_weights.py`` for vLLM). ``push_buckets`` cuts the source into buckets once per (dtype,
+device, form) the receivers want and hands each bucket to every receiver side by side:
 
     begin (each server)  ->  bucket 1, 2, ... (each server; the next bucket fills meanwhile)  ->  end (each server)
 
 A receiver that fails or misses its deadline drops out with an error naming the server and the step
-(``begin``, the bucket, ``end``); the others go on. A bucket goes flat (one ``uint8`` tensor: NCCL,
-CUDA IPC) or as its tensors themselves (gloo). Flat, the trainer holds two buckets at most: the one on
-the way and the next, filled in a thread while the first travels; as tensors, none (each is sent
-from the trainer's own memory, converted where the server's dtype differs). The caller (the pool,
-``rollout/engines/pool.py``) pauses the servers first, reads back each server's version after, lets
-the ones that took everything continue and leaves the others paused (half their new weights must
-never serve) until a full push succeeds.
+(``begin``, the bucket, ``end``; the fill of a bucket, which has the same deadline); the others go
+on. Collectives are issued on daemon threads (``weight_collectives.py``), never the event loop's. A
+bucket goes flat (one ``uint8`` tensor: NCCL, CUDA IPC) or as its tensors themselves (gloo). Flat,
+the trainer holds two buckets at most: the one on the way and the next, filled in a thread while the
+first travels; as tensors, none (each is sent from the trainer's own memory, converted where the
+server's dtype differs). The caller (the pool, ``rollout/engines/pool.py``) pauses the servers
+first, reads back each server's version after, lets the ones that took everything continue and
+leaves the others paused (half their new weights must never serve) until a full push succeeds.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 
+from rollout.engines import weight_collectives
 from rollout.engines.base import EngineError, WeightSource
-from rollout.engines.weight_buckets import Bucket, WeightSpec, fill_bucket, plan_buckets
+from rollout.engines.daemon_threads import DaemonThreads, run_once
+from rollout.engines.weight_buckets import Bucket, fill_bucket, plan_buckets, target_specs
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +83,12 @@ class Receiver(abc.ABC):
         await self.abandon()
 
 
-def target_specs(specs: Sequence[WeightSpec], dtype: torch.dtype) -> list[WeightSpec]:
-    """``specs`` as a server of ``dtype`` takes them: floating tensors in its dtype, others as they are."""
-    return [replace(spec, dtype=dtype) if spec.dtype.is_floating_point else spec for spec in specs]
-
-
 async def push_buckets(receivers: Sequence[Receiver], source: WeightSource, version: int, bucket_bytes: int,
                        timeout_s: float) -> dict[Receiver, str]:  # fmt: skip
     """Every receiver gets every bucket of ``source`` as ``version``; returns the receivers that failed,
-    each with an error naming its server and the step (the others have the whole of ``version``)."""
+    each with an error naming its server and the step (the others have the whole of ``version``).
+    Every wait is under ``timeout_s``: each receiver's step, and the fill of each bucket (a fill that
+    fails or hangs fails the receivers still waiting for that bucket, never the caller)."""
     failed: dict[Receiver, str] = {}
     specs = source.specs()
     groups: dict[tuple[torch.dtype, str, bool], list[Receiver]] = {}
@@ -97,18 +97,37 @@ async def push_buckets(receivers: Sequence[Receiver], source: WeightSource, vers
     for (dtype, _, flat), group in groups.items():
         plan = plan_buckets(target_specs(specs, dtype), bucket_bytes)
         alive = await _each(group, lambda r, plan=plan: r.begin(version, plan), "begin", timeout_s, failed)
-        payloads = (filled_buckets if flat else bucket_tensors)(plan, group[0].device, source.tensor)
-        async with contextlib.aclosing(payloads):  # (a bucket still filling is let go when every receiver failed)
-            async for bucket, payload in payloads:
-                if not alive:
-                    break
-                where = bucket.describe(len(plan))
-                alive = await _each(alive, lambda r: r.send(bucket, payload, len(plan), version), where, timeout_s,  # noqa: B023
-                                    failed)  # fmt: skip
+        fills = DaemonThreads(1, "rallyrl-bucket-fill")
+        payloads = (filled_buckets if flat else bucket_tensors)(plan, group[0].device, source.tensor, fills)
+        try:
+            async with contextlib.aclosing(payloads):  # (a bucket still filling is let go when every receiver failed)
+                for index in range(len(plan)):
+                    if not alive:
+                        break
+                    try:
+                        async with asyncio.timeout(timeout_s):
+                            bucket, payload = await anext(payloads)
+                    except Exception as exc:  # (TimeoutError included) an OOM, a tensor the trainer cannot read
+                        reason = f"no bucket within {timeout_s:g} s" if isinstance(exc, TimeoutError) else str(exc)
+                        _fail(alive, f"filling {plan[index].describe(len(plan))}", reason, failed)
+                        alive = []
+                        break
+                    where = bucket.describe(len(plan))
+                    alive = await _each(alive, lambda r: r.send(bucket, payload, len(plan), version), where,  # noqa: B023
+                                        timeout_s, failed)  # fmt: skip
+        finally:
+            fills.shutdown()
         await _each(alive, lambda r: r.end(version), "end", timeout_s, failed)
     for receiver in failed:
-        await receiver.abandon()
+        with contextlib.suppress(Exception):  # (best effort, each step of it under a deadline of its own)
+            await receiver.abandon()
     return failed
+
+
+def _fail(receivers: Sequence[Receiver], what: str, reason: str, failed: dict[Receiver, str]) -> None:
+    for receiver in receivers:
+        failed[receiver] = f"{receiver.url}: weight sync ({receiver.describe()}), {what}: {reason}"
+        logger.warning("%s", failed[receiver])
 
 
 async def _each(receivers: Sequence[Receiver], call: Callable[[Receiver], Awaitable[None]], what: str,
@@ -126,18 +145,17 @@ async def _each(receivers: Sequence[Receiver], call: Callable[[Receiver], Awaita
             if not isinstance(result, Exception):  # cancelled, interrupted: not a server's failure
                 raise result
             reason = f"no answer within {timeout_s:g} s" if isinstance(result, TimeoutError) else str(result)
-            failed[receiver] = f"{receiver.url}: weight sync ({receiver.describe()}), {what}: {reason}"
-            logger.warning("%s", failed[receiver])
+            _fail([receiver], what, reason, failed)
         else:
             alive.append(receiver)
     return alive
 
 
 async def filled_buckets(
-    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor]
+    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor], threads: DaemonThreads
 ) -> AsyncIterator[tuple[Bucket, torch.Tensor]]:
-    """Each bucket of ``plan`` filled (in a worker thread) into one of two buffers on ``device``: the
-    next fills while the caller sends the one it was given."""
+    """Each bucket of ``plan`` filled (on ``threads``) into one of two buffers on ``device``: the next
+    fills while the caller sends the one it was given."""
     if not plan:
         return
     largest = max(bucket.nbytes for bucket in plan)
@@ -147,16 +165,15 @@ async def filled_buckets(
 
     def fill(index: int) -> torch.Tensor:
         flat = fill_bucket(buffers[index % len(buffers)], plan[index], tensor)
-        if device.type == "cuda":  # the bytes must be there before another process or stream reads them
-            torch.cuda.synchronize(device)
+        weight_collectives.active.bucket_ready(device)  # the bytes there before another process reads them
         return flat
 
-    filling: asyncio.Task[torch.Tensor] = asyncio.ensure_future(asyncio.to_thread(fill, 0))
+    filling: asyncio.Future[torch.Tensor] = asyncio.ensure_future(threads.run(fill, 0))
     try:
         for index, bucket in enumerate(plan):
             flat = await filling
             if index + 1 < len(plan):
-                filling = asyncio.ensure_future(asyncio.to_thread(fill, index + 1))
+                filling = asyncio.ensure_future(threads.run(fill, index + 1))
             yield bucket, flat
     finally:
         if not filling.done():
@@ -169,7 +186,7 @@ class Tensors(list):  # type: ignore[type-arg]
 
 
 async def bucket_tensors(
-    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor]
+    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor], threads: DaemonThreads
 ) -> AsyncIterator[tuple[Bucket, Tensors]]:
     """Each bucket of ``plan`` as its tensors, each in the bucket's dtype, contiguous, on ``device``: the
     trainer's own memory where it already is (nothing copied), a converted copy where not."""
@@ -178,55 +195,63 @@ async def bucket_tensors(
         yield bucket, Tensors((name, value.contiguous()) for name, value in tensors)
 
 
-class AllDone:
-    """Several collectives (``async_op=True``) waited on as one: done when every one is."""
-
-    def __init__(self, works: list[Any]):
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-def broadcast(payload: torch.Tensor | Tensors, group: Any) -> Any:
-    """Broadcast a flat bucket, or a bucket's tensors one by one, from rank 0 of ``group`` (``async_op``)."""
-    import torch.distributed as dist
-
-    if isinstance(payload, torch.Tensor):
-        return dist.broadcast(payload, src=0, group=group, async_op=True)
-    return AllDone([dist.broadcast(tensor, src=0, group=group, async_op=True) for _, tensor in payload])
-
-
 async def open_group(url: str, backend: str, master_address: str | None, server_ranks: int, timeout_s: float,
-                     join: Callable[[str, int, str], Awaitable[Any]]) -> tuple[Any, str]:  # fmt: skip
-    """Make a weight group with the server at ``url``: the trainer opens it as rank 0 (in a thread: the
-    rendezvous waits for every rank) while ``join(address, port, name)`` has the server's
-    ``server_ranks`` ranks join; either failing ends the wait. Returns the group and its name."""
+                     join: Callable[[str, int, str], Awaitable[Any]], leave: Callable[[str], Awaitable[Any]],
+                     threads: DaemonThreads) -> tuple[Any, str]:  # fmt: skip
+    """Make a weight group with the server at ``url``: the trainer opens it as rank 0 (on ``threads``:
+    the rendezvous waits for every rank), its store listening on ``master_address`` alone, while
+    ``join(address, port, name)`` has the server's ``server_ranks`` ranks join; either failing ends
+    the wait. Returns the group and its name. On a failure or a cancel, both sides are left:
+    ``leave(name)`` on the server (best effort), and the trainer's side once its rendezvous ends."""
     import uuid
 
     from yarl import URL
 
-    from rollout.engines.weight_group import address_towards, destroy_weight_group, free_port, init_weight_group
+    from rollout.engines.weight_group import address_towards, bind_store
 
     address = master_address or address_towards(URL(url).host or "127.0.0.1")
-    port = free_port(address)
+    listen = bind_store(address)
+    port = listen.getsockname()[1]
     name = f"rallyrl-{uuid.uuid4().hex[:12]}"
-    mine = asyncio.ensure_future(asyncio.to_thread(
-        init_weight_group, backend, address, port, 1 + server_ranks, 0, name, timeout_s))  # fmt: skip
+    mine = asyncio.ensure_future(threads.run(
+        weight_collectives.active.open_group, backend, address, listen, 1 + server_ranks, name, timeout_s))  # fmt: skip
     theirs = asyncio.ensure_future(join(address, port, name))
-    done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
-    if theirs in done and theirs.exception() is not None:  # (the rendezvous gives up at its own deadline)
-        mine.add_done_callback(lambda task: task.exception() or destroy_weight_group(task.result()))
-        raise EngineError(f"joining a weight group: {theirs.exception()}")
-    if mine in done and mine.exception() is not None:
+    try:
+        done, _ = await asyncio.wait({mine, theirs}, return_when=asyncio.FIRST_EXCEPTION)
+        if theirs in done and theirs.exception() is not None:  # (the rendezvous gives up at its own deadline)
+            raise EngineError(f"joining a weight group: {theirs.exception()}")
+        if mine in done and mine.exception() is not None:
+            raise EngineError(f"opening a weight group on {address}:{port}: {mine.exception()}")
+        group, _ = await asyncio.gather(mine, theirs)
+    except BaseException:
+        listen.close()  # (a no-op once the store took it)
         theirs.cancel()
-        raise EngineError(f"opening a weight group on {address}:{port}: {mine.exception()}")
-    group, _ = await asyncio.gather(mine, theirs)
+        mine.add_done_callback(_destroy_when_made)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(QUICK_S):
+                await leave(name)
+        raise
     return group, name
+
+
+QUICK_S = 5.0
+"""Deadline of leaving a group after a failure (a server that failed may not answer at all)."""
+
+
+async def destroy_group(group: Any) -> None:
+    """Destroy the trainer's side of ``group`` on a thread of its own, within ``QUICK_S`` (an NCCL abort
+    may wait on its peers); quiet."""
+    with contextlib.suppress(TimeoutError, RuntimeError):
+        async with asyncio.timeout(QUICK_S):
+            await run_once("rallyrl-weight-group-destroy", weight_collectives.active.destroy, group)
+
+
+def _destroy_when_made(opening: asyncio.Future[Any]) -> None:
+    """(A done callback) destroy a group whose opening was given up, on a thread of its own."""
+    if not opening.cancelled() and opening.exception() is None:
+        threads = DaemonThreads(1, "rallyrl-weight-group-destroy")
+        threads.submit(weight_collectives.active.destroy, opening.result())
+        threads.shutdown()
 
 
 class CollectiveError(EngineError):
@@ -249,18 +274,31 @@ async def collective_done(work: Any, watch: asyncio.Future[Any] | None = None) -
         raise CollectiveError(str(exc)) from None
 
 
-async def side_by_side(call: asyncio.Future[Any], work: Any, where: str, wait_for_call: bool = True) -> Any:
-    """Wait for an HTTP ``call`` and a collective ``work`` (``async_op=True``) that need each other: the
-    collective's failure, or the call's, ends the wait at once (the other is left to its own deadline).
-    Returns the call's answer (``wait_for_call`` False: returns once the collective is done, the call
-    going on). The caller bounds the whole wait (``asyncio.timeout``)."""
+async def side_by_side(call: asyncio.Future[Any], issue: Awaitable[Any], where: str,
+                       wait_for_call: bool = True) -> Any:  # fmt: skip
+    """Wait for an HTTP ``call`` and the collective it goes with, which need each other: ``issue``
+    issues the collective (off the event loop: a first NCCL collective returns only once the server
+    has joined it, which it does once the call has reached it) and gives what ``collective_done``
+    polls. The collective's failure, or the call's, ends the wait at once (the other is left to its
+    own deadline). Returns the call's answer (``wait_for_call`` False: returns once the collective is
+    done, the call going on). The caller bounds the whole wait (``asyncio.timeout``)."""
+    issuing = asyncio.ensure_future(issue)
     try:
+        while not issuing.done():
+            await asyncio.wait({issuing, call}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done() and not call.cancelled() and call.exception() is not None:
+                raise call.exception()  # type: ignore[misc]
+        try:
+            work = issuing.result()
+        except RuntimeError as exc:  # (the group is broken)
+            raise EngineError(f"{where}: issuing the collective failed: {exc}") from None
         try:
             await collective_done(work, call)
         except CollectiveError as exc:
             raise EngineError(f"{where}: the collective failed: {exc}") from None
         return await call if wait_for_call else None
     except BaseException:
+        issuing.cancel()  # (a collective still being issued stays on its thread until its group is destroyed)
         if not call.done():
             call.cancel()
         raise
