@@ -9,6 +9,7 @@ default is written once, here or in ``rollout/engines/config.py`` (engines) and
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -314,6 +315,10 @@ class ServeConfig(CommonConfig):
     holds ``rallyrl train``'s ``runs/grpo/weights``; a run with another ``out`` adds its ``weights``."""
     weight_load_timeout_s: float = 300.0
     """Deadline of reading the weights of one ``/update_weights_from_disk``."""
+    weight_peers: list[str] = field(default_factory=list)
+    """Addresses (IPs, or CIDR networks such as 10.0.0.0/24) of trainers that may push weights by
+    broadcast (``/init_weights_update_group``'s ``master_address``) to a server bound outside loopback;
+    loopback trainers always may. A server bound to loopback takes loopback trainers only."""
     limits: ServeLimits = field(default_factory=ServeLimits)
     """Bounds on one request (``rollout/limits.py``), checked before anything is queued."""
     engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
@@ -330,6 +335,12 @@ class ServeConfig(CommonConfig):
                              "non-empty key, or none")  # fmt: skip
         if not self.weight_load_timeout_s > 0:
             raise ValueError(f"weight_load_timeout_s must be > 0, got {self.weight_load_timeout_s}")
+        for peer in self.weight_peers:
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                raise ValueError(f"weight_peers: {peer!r} is not an IP address or a CIDR network (e.g. 10.0.0.5 or "
+                                 "10.0.0.0/24)") from None  # fmt: skip
         from rollout.parsers import get_parser
         from rollout.reasoning import get_reasoning_format
 

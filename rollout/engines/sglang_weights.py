@@ -54,6 +54,8 @@ class SGLangClient(Protocol):
 
 RALLYRL_SERVE = "rallyrl"
 """How ``rallyrl serve`` begins its ``/get_server_info`` ``version``."""
+SERVE_JOIN_MAX_S = 300.0
+"""The longest join deadline (``timeout_s``) rallyrl serve takes."""
 
 
 async def sglang_weight_support(client: SGLangClient, local: bool) -> ServerWeights:
@@ -110,7 +112,8 @@ class SGLangSession(Receiver):
         except EngineError as exc:  # a session a trainer left open (it died, or a push failed): end it first
             if "already open" not in str(exc):
                 raise
-            await self._call("/end_weight_update", {})
+            with contextlib.suppress(EngineError):  # (rallyrl serve ends a partial session as a failure)
+                await self._call("/end_weight_update", {})
             await self._call("/begin_weight_update", {})
 
     def _fields(self, bucket: Bucket, count: int, version: int) -> dict[str, Any]:
@@ -162,7 +165,7 @@ class SGLangBroadcast(SGLangSession):
             return await self._call("/init_weights_update_group", {
                 "master_address": address, "master_port": port, "rank_offset": 1,
                 "world_size": 1 + self.server.world_size, "group_name": name, "backend": self.backend,
-                **({"timeout_s": self.timeout_s} if ours else {}),
+                **({"timeout_s": min(self.timeout_s, SERVE_JOIN_MAX_S)} if ours else {}),
             })  # fmt: skip
 
         async def leave(name: str) -> Any:

@@ -72,20 +72,22 @@ class EngineServer(ServerState):
         try:
             return await handler(request)
         except BadRequest as exc:
-            return error_response(request, 400, str(exc), exc.kind)
+            response = error_response(request, 400, str(exc), exc.kind)
         except TooLarge as exc:
-            return error_response(request, 413, str(exc))
+            response = error_response(request, 413, str(exc))
         except Busy as exc:
             response = error_response(request, 503, str(exc))
             response.headers["Retry-After"] = "1"
-            return response
         except EngineError as exc:
-            return error_response(request, 500, f"engine error: {exc}")
+            response = error_response(request, 500, f"engine error: {exc}")
         except web.HTTPException:
             raise
         except Exception as exc:  # a bug: answer, log the trace, keep serving
             logger.exception("%s %s failed", request.method, request.path)
-            return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
+            response = error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
+        if request.body_exists and not request.content.is_eof():  # refused unread (a weight route outside a
+            response.force_close()  # session): the rest of the body is not waited for
+        return response
 
 
 async def serve(engine: Engine, tokenizer: Any, config: ServeConfig, ready: asyncio.Event | None = None) -> None:

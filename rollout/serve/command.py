@@ -29,6 +29,8 @@ def serve_command(
     api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' (but on /health); not empty."),
     weights_dir: list[Path] = typer.Option(None, help="Also load weights from under this directory (repeat); "
                                            "default: runs/ here and the served model's own."),
+    weight_peer: list[str] = typer.Option(None, help="Also take weights broadcast from a trainer at this address "
+                                          "(an IP or CIDR network; repeat) when not bound to loopback."),
     fault_error_rate: float = typer.Option(None, help="Testing: share of /generate calls answered HTTP 500."),
     fault_hang_rate: float = typer.Option(None, help="Testing: share of /generate calls held open unanswered."),
     fault_drop_rate: float = typer.Option(None, help="Testing: share of /generate calls reset mid-response."),
@@ -45,6 +47,7 @@ def serve_command(
         "faults.error_rate": fault_error_rate, "faults.hang_rate": fault_hang_rate,
         "faults.drop_rate": fault_drop_rate, "faults.seed": fault_seed, "threads": threads,
         "weights_dirs": ["runs", *map(str, weights_dir)] if weights_dir else None,
+        "weight_peers": list(weight_peer) if weight_peer else None,
     }  # fmt: skip
     with errors_for_people():
         serve_config = load_config(ServeConfig, config, flags, set_)

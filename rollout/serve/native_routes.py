@@ -17,6 +17,7 @@ from rollout.serve.generate import generate_items, generate_output
 from rollout.serve.generation import GenerateItem
 from rollout.serve.http import BadRequest, json_body, json_response, model_config, send_event, sse_response
 from rollout.serve.state import ServerState
+from rollout.serve.weight_routes import MAX_BUCKET_BYTES, MAX_WEIGHT_BODY
 
 SERVER_VERSION = "rallyrl-0.1.0"
 
@@ -149,6 +150,7 @@ class NativeRoutes:
                 "engine": type(server.engine).__name__,
                 "device": getattr(getattr(server.engine, "device", None), "type", "cpu"),
                 "dtype": str(getattr(server.engine, "dtype", "auto")).removeprefix("torch."),
+                "weight_limits": {"max_bucket_bytes": MAX_BUCKET_BYTES, "max_tensor_body_bytes": MAX_WEIGHT_BODY},
             }
         )
 

@@ -50,6 +50,10 @@ class ServerState:
         self._update_lock = asyncio.Lock()
         self.weights_half_updated = False
         """A weight-update session has loaded part of its weights (``weight_routes.py``): nothing generates."""
+        self.weight_session_open = False
+        """Between ``/begin_weight_update`` (once it holds the update lock) and ``/end_weight_update``."""
+        self.weight_session_beginning = False
+        """A ``/begin_weight_update`` waits for the update lock (a load from disk holds it)."""
         self.counters = {"requests": 0, "generated_tokens": 0, "aborted": 0}
         self.pending = PendingCount(config.limits.max_pending)
         """Generations admitted and not answered yet, server-wide (``limits.max_pending``)."""
@@ -191,8 +195,12 @@ class ServerState:
         a time, nor beside a load from disk) and lasts until ``release_after_weights``."""
         await self._update_lock.acquire()
         self._open.clear()
-        async with self._idle:
-            await self._idle.wait_for(lambda: self._in_flight == 0)
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: self._in_flight == 0)
+        except BaseException:  # cancelled: the lock is not left held by nobody
+            self.release_after_weights()
+            raise
 
     def release_after_weights(self) -> None:
         """The session of weight updates is over: requests start again unless generation is paused or
@@ -212,7 +220,11 @@ class ServerState:
 
     async def update_weights(self, model_path: str, version: Any, abort_all: bool) -> str | None:
         """Load the safetensors weights of a model directory between requests: new requests wait, the
-        ones in flight finish (or are aborted with ``abort_all``). The failure's message, or None."""
+        ones in flight finish (or are aborted with ``abort_all``). The failure's message, or None: at once
+        while a weight-update session is open (it holds the update lock until ``/end_weight_update``)."""
+        if self.weight_session_open or self.weight_session_beginning:
+            return (f"{model_path}: a weight-update session is open (/begin_weight_update): call /end_weight_update "
+                    "first, then load from disk")  # fmt: skip
         async with self._update_lock:
             self._open.clear()
             try:
@@ -238,8 +250,6 @@ class ServerState:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
 
 
 def _version_number(requested: Any, current: int | None) -> int:
