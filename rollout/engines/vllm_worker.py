@@ -57,10 +57,8 @@ class WeightReceiver:
         rank = int(rank_offset) + int(getattr(self, "rank", 0))
         if rank < 1:
             raise ValueError(f"rank_offset {rank_offset}: rank 0 is the trainer's")
-        device = getattr(self, "device", None)  # (NCCL: the communicator made now, not in the first broadcast)
-        device = device if isinstance(device, torch.device) else None
         group = init_weight_group(backend, master_address, int(master_port), int(world_size), rank, group_name,
-                                  float(timeout_s), device=device)  # fmt: skip
+                                  float(timeout_s))  # fmt: skip
         self._rallyrl_groups()[group_name] = group
         return {"rank": rank}
 

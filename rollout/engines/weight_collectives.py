@@ -1,11 +1,12 @@
 """The collectives of a weight broadcast on the trainer's side, behind one seam (``active``).
 
 Each call here may block its thread for as long as a peer makes it: making a group waits for every
-rank; an NCCL collective on a communicator not yet made makes it first, which waits for every rank
-too; an NCCL broadcast whose peer died never ends (NCCL has no deadline of its own). So the push
-(``weight_push.py``) never calls them on the event loop's thread: each receiver issues its
-collectives on a daemon thread of its own (``daemon_threads.py``), and every wait for one is under
-the sync's deadline. A receiver that fails has its group destroyed (an NCCL group aborted first).
+rank; an NCCL group's first collective makes its communicator first (lazily on every side, as SGLang
+makes its own: ``weight_group.py``), which waits for every rank too; an NCCL broadcast whose peer
+died never ends (NCCL has no deadline of its own). So the push (``weight_push.py``) never calls them
+on the event loop's thread: each receiver issues its collectives on a daemon thread of its own
+(``daemon_threads.py``), and every wait for one is under the sync's deadline. A receiver that fails
+has its group destroyed (an NCCL group aborted first).
 
 ``active`` is what the push calls. The real one is torch's; a test replaces it with a stand-in that
 behaves as NCCL does on a GPU (``tests/nccl_standin.py``: a first collective that returns only once
@@ -26,7 +27,9 @@ class Collectives:
 
     def device(self, backend: str) -> torch.device:
         """Where buckets must be for ``backend``: the GPU for NCCL, the CPU for gloo."""
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend != "nccl":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
 
     def open_group(self, backend: str, address: str, listen: socket.socket, world_size: int, group_name: str,
                    timeout_s: float) -> Any:  # fmt: skip
@@ -34,8 +37,7 @@ class Collectives:
         from rollout.engines.weight_group import init_weight_group
 
         port = listen.getsockname()[1]
-        return init_weight_group(backend, address, port, world_size, 0, group_name, timeout_s,
-                                 device=self.device(backend), listen=listen)  # fmt: skip
+        return init_weight_group(backend, address, port, world_size, 0, group_name, timeout_s, listen=listen)
 
     def broadcast(self, payload: torch.Tensor | list[tuple[str, torch.Tensor]], group: Any) -> Any:
         """Issue the broadcast of a flat bucket, or of a bucket's tensors one by one, from rank 0

@@ -7,9 +7,12 @@ keys and waits forever. ``init_weight_group`` does what SGLang does, with torch'
 serve and rallyrl's vLLM worker extension join with it too. Rank 0 (the trainer) serves the
 rendezvous store on ``master_address:master_port`` and nowhere else (``bind_store``): loopback for
 servers on the same machine, else the trainer's address on the route to the server
-(``address_towards``). ``backend`` is passed to torch: gloo on a CPU, NCCL between GPUs, whose
-communicator is made with the group when the rank names its device. Torch only (the vLLM worker
-extension imports it).
+(``address_towards``). ``backend`` is passed to torch: gloo on a CPU, NCCL between GPUs. An NCCL
+communicator is made lazily, in the group's first collective, on every side: SGLang makes its side
+so (no ``device_id``), and ranks must agree (a rank that made it with the group would wait there for
+the others' first collective, which comes only after the group is made). So the first collective
+blocks its caller until every rank has entered it: never call it on an event loop's thread. Torch
+only (the vLLM worker extension imports it).
 """
 
 from __future__ import annotations
@@ -21,21 +24,17 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 
 def init_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                      group_name: str, timeout_s: float, device: torch.device | None = None,
-                      listen: socket.socket | None = None) -> Any:  # fmt: skip
+                      group_name: str, timeout_s: float, listen: socket.socket | None = None) -> Any:  # fmt: skip
     """Join (rank 0: open) the group ``group_name`` of ``world_size`` ranks, as SGLang's
     ``init_custom_process_group`` does; every collective in it fails after ``timeout_s``.
 
     Rank 0 serves the rendezvous store on ``listen`` (``bind_store``: a socket bound to the address
-    it names, so that the store listens nowhere else; torch's own binds every interface). With
-    NCCL, ``device`` (the GPU of this rank) makes the communicator now, within this call: without
-    it NCCL makes it in the first collective, which then blocks its caller until every rank has
-    joined (a caller on an event loop would never send the request that makes the server join)."""
+    it names, so that the store listens nowhere else; torch's own binds every interface). An NCCL
+    communicator is made in the first collective (the module docstring says why)."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if not group_name:
@@ -47,12 +46,9 @@ def init_weight_group(backend: str, master_address: str, master_port: int, world
         url = f"tcp://{_host_in_url(master_address)}:{master_port}"
         store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    device_id = device if backend == "nccl" and device is not None and device.type == "cuda" else None
-    if device_id is not None and device_id.index is None:
-        device_id = torch.device("cuda", torch.cuda.current_device())
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        backend_options=None, timeout=timeout, device_id=device_id,
+        backend_options=None, timeout=timeout,
     )  # fmt: skip
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from collections.abc import Awaitable
 from concurrent.futures import Future
 from typing import Any
 
@@ -78,6 +79,7 @@ class WeightRoutes:
         self.server = server
         self.groups: dict[str, Any] = {}
         self.joining: set[str] = set()  # group names whose join is under way
+        self.receiving: dict[str, DaemonThreads] = {}  # each group's thread, where its receives are issued
         self.joins = DaemonThreads(MAX_PENDING_JOINS, "weight-join")
         self.decoders = DaemonThreads(MAX_TENSOR_BODIES, "weight-decode")
         self.tensor_bodies = 0  # /update_weights_from_tensor calls being read, decoded or loaded
@@ -121,8 +123,7 @@ class WeightRoutes:
             return _answer(False, f"{self.joins.busy} weight-group joins are pending, the most this server waits for "
                            "at once: retry when one ends (when its trainer joins, or at its timeout_s)" + stuck,
                            status=503)  # fmt: skip
-        device = self._device() if backend == "nccl" else None
-        join = self.joins.submit(init_weight_group, backend, address, port, world, rank, name, timeout_s, device)
+        join = self.joins.submit(init_weight_group, backend, address, port, world, rank, name, timeout_s)
         self.joining.add(name)
         try:
             group = await asyncio.wait_for(asyncio.wrap_future(join), timeout_s)
@@ -135,6 +136,7 @@ class WeightRoutes:
         finally:
             self.joining.discard(name)
         self.groups[name] = group
+        self.receiving[name] = DaemonThreads(1, "weight-receive")
         return _answer(True, "Succeeded to initialize custom process group.")
 
     def _trainer(self, body: dict[str, Any]) -> tuple[str, int, int, int]:
@@ -171,6 +173,7 @@ class WeightRoutes:
         group = self.groups.pop(name, None)
         if group is None:
             return _answer(False, "The group to be destroyed does not exist.")
+        self.receiving.pop(name).shutdown()  # (a receive stuck on a dead trainer stays behind, a daemon)
         await run_once("weight-destroy", destroy_weight_group, group)  # (an NCCL abort may wait: not on the loop)
         return _answer(True, "Succeeded to destroy custom process group.")
 
@@ -241,9 +244,9 @@ class WeightRoutes:
             buffers = [torch.empty(sum(spec.nbytes for spec in specs), dtype=torch.uint8, device=device)]
         else:
             buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=device) for spec in specs]
-        # received first, checked after: the group stays in step with the trainer
-        works = [torch.distributed.broadcast(buffer, src=0, group=group, async_op=True) for buffer in buffers]
-        await _completed(AllDone(works), WEIGHT_TIMEOUT_S)
+        # received first, checked after: the group stays in step with the trainer. Issued on the group's own
+        # thread: an NCCL group's first collective waits there for the trainer to enter it (weight_group.py)
+        await _completed(self.receiving[name].run(_receive, buffers, group), WEIGHT_TIMEOUT_S)
         if flattened:
             named = bucket_views(buffers[0], specs)
         else:
@@ -336,14 +339,20 @@ class WeightRoutes:
         return torch.device(getattr(self.server.engine, "device", "cpu"))
 
 
-async def _completed(work: Any, timeout_s: float) -> None:
-    """Wait for a collective without holding the event loop; its failure or ``timeout_s`` is a 400."""
+def _receive(buffers: list[torch.Tensor], group: Any) -> AllDone:
+    """Issue the receive of each buffer from the group's rank 0 (``async_op``)."""
+    return AllDone([torch.distributed.broadcast(buffer, src=0, group=group, async_op=True) for buffer in buffers])
+
+
+async def _completed(issue: Awaitable[Any], timeout_s: float) -> None:
+    """Wait for a collective being issued (``issue``) and done, without holding the event loop; its
+    failure or ``timeout_s`` is a 400."""
     try:
         async with asyncio.timeout(timeout_s):
-            await collective_done(work)
+            await collective_done(await issue)
     except TimeoutError:
         raise BadRequest(f"the broadcast did not arrive within {timeout_s:g} s") from None
-    except CollectiveError as exc:
+    except (CollectiveError, RuntimeError) as exc:  # (RuntimeError: issuing it failed, the group is broken)
         raise BadRequest(f"Failed to receive weights: {exc}") from None
 
 
