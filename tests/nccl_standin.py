@@ -109,17 +109,19 @@ class StandInServer:
     """An SGLang server's weight routes over ``LazyNCCL``; ``die_at`` (a bucket index): from that bucket
     on it never answers and receives nothing (as a server that died)."""
 
-    def __init__(self, url: str, nccl: LazyNCCL, die_at: int | None = None):
+    def __init__(self, url: str, nccl: LazyNCCL, die_at: int | None = None, kind: str = "SGLang 0.5.23"):
         self.url = url
         self.nccl = nccl
         self.die_at = die_at
+        self.kind = kind
+        self.joins: list[dict[str, Any]] = []
         self.weight_version = 0
         self.received: dict[str, torch.Tensor] = {}
         self.calls: list[str] = []
         self.version: str | None = None
 
     def support(self) -> ServerWeights:
-        return ServerWeights(url=self.url, kind="SGLang 0.5.23", device="cuda", dtype=torch.float32, local=False,
+        return ServerWeights(url=self.url, kind=self.kind, device="cuda", dtype=torch.float32, local=False,
                              broadcast=None, tensor=None, model_config=None)  # fmt: skip
 
     async def get_server_info(self) -> dict[str, Any]:
@@ -127,6 +129,8 @@ class StandInServer:
 
     async def weight_call(self, path: str, payload: Any, timeout_s: float) -> Any:
         self.calls.append(path)
+        if path == "/init_weights_update_group":
+            self.joins.append(payload)
         if path != "/update_weights_from_distributed":
             return {"success": True, "message": "Success"}
         group = self.nccl.groups[payload["group_name"]]

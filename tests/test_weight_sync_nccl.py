@@ -149,3 +149,15 @@ async def test_a_cancelled_group_opening_leaves_both_sides(nccl):
             break
         await asyncio.sleep(0.01)
     assert group.aborted and left == [group.name]
+
+
+async def test_the_join_gives_rallyrl_serve_the_syncs_deadline_and_sglang_none(nccl, weights):
+    """Finding 10: rallyrl serve's side of a join that fails ends at the sync's deadline (at most its
+    300 s), not torch's 30 minutes; SGLang's join takes no deadline (its API has none)."""
+    ours = StandInServer("http://serve", nccl, kind="rallyrl serve")
+    theirs = StandInServer("http://sglang", nccl)
+    receivers = [sglang(ours, 30), sglang(theirs, 30)]
+    receivers[0].timeout_s = 900  # (above what rallyrl serve takes: capped)
+    assert await push_buckets(receivers, weights, 1, BUCKET, timeout_s=30) == {}
+    assert ours.joins[0]["timeout_s"] == 300 and "timeout_s" not in theirs.joins[0]
+    assert ours.joins[0]["rank_offset"] == 1 and ours.joins[0]["world_size"] == 2

@@ -171,6 +171,8 @@ class SGLangBroadcast(SGLangSession):
         async def leave(name: str) -> Any:
             return await self.client.weight_call("/destroy_weights_update_group", {"group_name": name}, QUICK_S)
 
+        if self.threads is not None:  # (a join that failed before)
+            self.threads.shutdown()
         self.threads = DaemonThreads(1, "rallyrl-weight-broadcast")
         self.group, self.group_name = await open_group(
             self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join, leave,

@@ -125,6 +125,8 @@ class VLLMBroadcast(Receiver):
         async def leave(name: str) -> Any:
             return await self._rpc("rallyrl_leave_weight_group", QUICK_S, group_name=name)
 
+        if self.threads is not None:  # (a join that failed before)
+            self.threads.shutdown()
         self.threads = DaemonThreads(1, "rallyrl-weight-broadcast")
         self.group, self.group_name = await open_group(
             self.url, self.backend, self.master_address, self.server.world_size, self.timeout_s, join, leave,
