@@ -300,3 +300,19 @@ async def test_a_server_whose_push_failed_midway_loads_the_saved_weights_at_once
             assert await pool.weights.bring_back(one)
         assert await one.engine.get_weight_version() == 1
         assert torch.equal(engine.model.state_dict()["model.norm.weight"], model.state_dict()["model.norm.weight"])
+
+
+async def test_a_failure_of_the_trainers_own_goes_up_and_leaves_no_server_locked(model, tmp_path):
+    """Finding 7: the trainer's own failure (here its weights unreadable as a whole) is the run's
+    error, as a full disk is; each paused server is let go (kept paused: it may be half updated)."""
+    weights = PolicyWeights.of_model(model, load_tokenizer(EMBEDDED_MODEL), tmp_path / "weights")
+    pool, one = PoolWeights(), _Server(0, Engine("http://a"))  # type: ignore[arg-type]
+    await pool.plan([one], WeightSyncConfig(bucket_mb=1), weights, torch.device("cpu"))
+
+    def unreadable() -> list[WeightSpec]:
+        raise MemoryError("out of memory reading the weights")
+
+    weights.specs = unreadable  # type: ignore[method-assign]
+    with pytest.raises(MemoryError):
+        await pool.push([one], weights, 1, lambda s, reason: None)
+    assert one.engine.continued == [False] and not one.engine.lock.locked()

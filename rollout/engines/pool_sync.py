@@ -123,14 +123,13 @@ class PoolWeights:
                 errors[server] = f"{server.url}: pausing for the weight update: {result}"
             else:
                 paused.append(server)
-        try:
+        moved = False
+        try:  # (a failure of the trainer's own, a full disk say, is the caller's: it goes on up)
             await self._move(paused, source, version, errors)
-        except Exception as exc:  # (a bug or an OOM of ours: every server paused failed, none left paused for ever)
-            logger.exception("engine pool: weight update %s", version)
-            errors.update({s: f"{s.url}: weight update {version}: {type(exc).__name__}: {exc}" for s in paused
-                           if s not in errors})  # fmt: skip
-        finally:
-            await asyncio.gather(*(self._continue(s, s not in errors or s.sync.receiver is None) for s in paused))
+            moved = True
+        finally:  # every server paused is continued, or kept paused when it may hold part of the new weights
+            await asyncio.gather(*(self._continue(s, (moved and s not in errors) or s.sync.receiver is None)
+                                   for s in paused))  # fmt: skip
         return errors
 
     async def _move(self, paused: Sequence[Any], source: WeightSource, version: int, errors: dict[Any, str]) -> None:
