@@ -25,7 +25,7 @@ from rollout.engines.weight_buckets import Bucket, WeightSpec
 from rollout.engines.weight_plan import ServerWeights, WeightSyncError, check_limits
 from rollout.engines.weight_push import Receiver, Tensors
 from rollout.tokens import load_tokenizer
-from trainer.weight_source import PolicyWeights
+from trainer.weight_source import PolicyWeights, _Plain
 
 
 class Gloo(Receiver):
@@ -149,20 +149,10 @@ async def test_a_server_brought_back_holds_the_weights_so_no_optimizer_step_chan
     assert weights.version is None  # (until the sync names the new one)
 
 
-class Sharded:
+class Sharded(_Plain):
     """A policy whose full weights are gathered only for a sync, as under FSDP (``policy.Policy``)."""
 
-    peft = None
     sharded = True
-
-    def __init__(self, lm: torch.nn.Module):
-        self.lm = lm
-
-    def language_model(self) -> torch.nn.Module:
-        return self.lm
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.lm.state_dict()
 
 
 async def test_under_fsdp_a_server_that_comes_back_waits_for_the_next_sync_and_that_sync_takes_it(model, tmp_path):
