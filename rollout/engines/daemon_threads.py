@@ -81,9 +81,14 @@ class DaemonThreads(Executor):
         return await asyncio.wrap_future(self.submit(fn, *args))
 
 
-async def run_once(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a daemon thread of its own, which ends with the call (a stuck call holds only it)."""
+def start_once(name: str, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Start ``fn(*args)`` on a daemon thread of its own, which ends with the call (a stuck call holds only it)."""
     threads = DaemonThreads(1, name)
     future = threads.submit(fn, *args)
     threads.shutdown()
-    return await asyncio.wrap_future(future)
+    return future
+
+
+async def run_once(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """``start_once``, awaited."""
+    return await asyncio.wrap_future(start_once(name, fn, *args))

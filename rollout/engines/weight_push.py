@@ -32,7 +32,7 @@ import torch
 
 from rollout.engines import weight_collectives
 from rollout.engines.base import EngineError, WeightSource
-from rollout.engines.daemon_threads import DaemonThreads, run_once
+from rollout.engines.daemon_threads import DaemonThreads, run_once, start_once
 from rollout.engines.weight_buckets import Bucket, fill_bucket, plan_buckets, target_specs
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,10 @@ async def push_buckets(receivers: Sequence[Receiver], source: WeightSource, vers
         plan = plan_buckets(target_specs(specs, dtype), bucket_bytes)
         alive = await _each(group, lambda r, plan=plan: r.begin(version, plan), "begin", timeout_s, failed)
         fills = DaemonThreads(1, "rallyrl-bucket-fill")
-        payloads = (filled_buckets if flat else bucket_tensors)(plan, group[0].device, source.tensor, fills)
+        device = group[0].device
+        payloads: AsyncIterator[tuple[Bucket, torch.Tensor | Tensors]] = (
+            filled_buckets(plan, device, source.tensor, fills) if flat else bucket_tensors(plan, device, source.tensor)
+        )
         try:
             async with contextlib.aclosing(payloads):  # (a bucket still filling is let go when every receiver failed)
                 for index in range(len(plan)):
@@ -186,7 +189,7 @@ class Tensors(list):  # type: ignore[type-arg]
 
 
 async def bucket_tensors(
-    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor], threads: DaemonThreads
+    plan: Sequence[Bucket], device: torch.device, tensor: Callable[[str], torch.Tensor]
 ) -> AsyncIterator[tuple[Bucket, Tensors]]:
     """Each bucket of ``plan`` as its tensors, each in the bucket's dtype, contiguous, on ``device``: the
     trainer's own memory where it already is (nothing copied), a converted copy where not."""
@@ -249,9 +252,7 @@ async def destroy_group(group: Any) -> None:
 def _destroy_when_made(opening: asyncio.Future[Any]) -> None:
     """(A done callback) destroy a group whose opening was given up, on a thread of its own."""
     if not opening.cancelled() and opening.exception() is None:
-        threads = DaemonThreads(1, "rallyrl-weight-group-destroy")
-        threads.submit(weight_collectives.active.destroy, opening.result())
-        threads.shutdown()
+        start_once("rallyrl-weight-group-destroy", weight_collectives.active.destroy, opening.result())
 
 
 class CollectiveError(EngineError):
