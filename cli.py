@@ -19,7 +19,7 @@ import typer
 
 from data.command_options import AGENT_HELP, CONFIG_HELP, ENGINE_SERVER_HELP, SET_HELP, given_config, load_config
 from data.command_options import errors_for_people as _errors_for_people
-from data.console import console
+from data.console import console, stuck_exit
 from data.console import fail as _fail
 from rollout.event_loop import run as run_on_loop
 
@@ -147,7 +147,7 @@ def rollout(
         console.print(f"interrupted: {finished} of {total} trajectories finished and are in {out_path}; "
                       f"{total - finished} were cut. The same command with --resume runs those.",
                       highlight=False)  # fmt: skip
-        raise typer.Exit(code=terminated.exit_code) from None  # 130 (Ctrl-C) or 143 (SIGTERM)
+        raise stuck_exit(terminated.exit_code) from None  # 130 (Ctrl-C) or 143 (SIGTERM)
     finally:
         stack.close()
     console.print(summary.table())
@@ -155,10 +155,12 @@ def rollout(
         console.print(f"resumed: {len(done)} trajectories were already in {out_path}; added {ran}")
     else:
         console.print(f"wrote {ran} trajectories to {out_path}")
-    if ran and summary.error_rate >= job.fail_at_error_rate:
+    failed = ran and summary.error_rate >= job.fail_at_error_rate
+    if failed:
         typer.echo(f"error: {summary.error_rate:.0%} of the trajectories ended in an error (fail_at_error_rate "
                    f"{job.fail_at_error_rate:g}); the first: {first_error}", err=True)  # fmt: skip
-        raise typer.Exit(code=1)
+    if (end := stuck_exit(1 if failed else 0)) is not None:
+        raise end
 
 
 @app.command()
@@ -218,11 +220,13 @@ def train(
         except Preempted as stop:  # its checkpoint written: 75 (EX_TEMPFAIL) for a scheduler's requeue
             if stop.is_main:
                 console.print(str(stop), highlight=False)
-            raise typer.Exit(code=PREEMPTED_EXIT_CODE) from None
+            raise stuck_exit(PREEMPTED_EXIT_CODE) from None
     if history:
         last = history[-1]
         console.print(f"done: step {last['step']}, rollout/accuracy {last['rollout/accuracy']:.3f}; "
                       f"model in {grpo_config.out}/final")  # fmt: skip
+    if (end := stuck_exit()) is not None:
+        raise end
 
 
 @app.command()
@@ -332,6 +336,8 @@ def evaluate(
             console.print(f"wrote the report to {eval_config.report}", highlight=False)
     except OSError as exc:
         raise _fail(f"{exc.filename}: {exc.strerror or exc}") from None
+    if (end := stuck_exit()) is not None:
+        raise end
 
 
 @app.command()

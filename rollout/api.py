@@ -146,9 +146,14 @@ def setup_interactions(path: str | Path | None, task: str | None = None) -> dict
 
 async def enter_interactions(stack: contextlib.AsyncExitStack, interactions: dict[str, Any]) -> None:
     """Open the interactions that are async context managers (a simulated user's connections) on ``stack``."""
+    from rollout.envs.step import EnvError
+
     for interaction in interactions.values():
         if hasattr(interaction, "__aenter__") and hasattr(interaction, "__aexit__"):
-            await stack.enter_async_context(interaction)
+            try:
+                await stack.enter_async_context(interaction)
+            except EnvError as exc:  # an environment's start check: one line, as bad input is
+                raise SetupError(str(exc)) from None
 
 
 def make_judge(config: JudgeConfig) -> Judge | None:
@@ -317,7 +322,8 @@ async def rollout_summary(
     through ``asyncio.run``, has its whole repr built twice on the way out, when the SIGINT handler
     is put back: 0.17 s each at 1,024 requests.)"""
     result = await rollout(config, records, skip=skip, console=console)
-    first_error = next((f"{r.request_id}: {r.error}" for r in result.requests if r.error), None)
+    first_error = next((f"record {r.prompt_index} (sample {r.sample_index}): {r.error}"
+                        for r in result.requests if r.error), None)  # fmt: skip
     return result.summary, len(result.requests), first_error
 
 

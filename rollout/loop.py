@@ -30,6 +30,7 @@ from rollout.request import AsyncRolloutRequest, FinishReason, InteractionTurn, 
 from rollout.scoring import UserTurns, default_reward, describe_error, interaction_name, note_error, score_request
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
+from rollout.user_threads import CONTAINED
 from tools.base import BaseTool, ToolError, ToolResponse
 
 
@@ -78,7 +79,7 @@ async def run_request(
                 # the request's id, as verl passes it: tools of one environment share its instance by it
                 instance_id = await within(tool.create(request.request_id, **create_kwargs),
                                            config.tool_reward_timeout_s)  # fmt: skip
-            except Exception as exc:
+            except CONTAINED as exc:
                 raise ToolCreateError(f"create of tool {name} failed: {describe_error(exc)}") from exc
             created.append((tool, instance_id))
             request.tool_instance_ids[name] = instance_id
@@ -88,7 +89,7 @@ async def run_request(
                 user.instance_id = await within(
                     user.interaction.start_interaction(None, **user.kwargs), config.tool_reward_timeout_s
                 )
-            except Exception as exc:
+            except CONTAINED as exc:
                 what = f"start_interaction of {interaction_name(user)}"
                 raise ToolCreateError(f"{what} failed: {describe_error(exc)}") from exc
             await _start_messages(request, user, config)
@@ -103,7 +104,7 @@ async def run_request(
         raise
     except (ToolCreateError, InteractionError) as exc:
         request.finish(FinishReason.ERROR, str(exc))
-    except Exception as exc:  # engine failure, template error: this request only
+    except CONTAINED as exc:  # engine failure, template error: this request only
         request.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
     finally:
         if request.state is not RequestState.COMPLETED:
@@ -261,7 +262,7 @@ async def _call_tool(
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # this request is being cancelled
                 raise
             error = f"tool {call.name} failed: it raised CancelledError"  # the tool's own, not ours
-        except Exception as exc:
+        except CONTAINED as exc:
             error = f"tool {call.name} failed: {type(exc).__name__}: {exc}"
     if error is not None:
         error = valid_text(truncate_middle(error, config.max_tool_response_chars))
@@ -286,7 +287,7 @@ async def _user_turn(request: AsyncRolloutRequest, user: UserTurns, config: Roll
         if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # this request is being cancelled
             raise
         raise InteractionError(f"{interaction_name(user)} failed: it raised CancelledError") from None
-    except Exception as exc:
+    except CONTAINED as exc:
         raise InteractionError(f"{interaction_name(user)} failed: {type(exc).__name__}: {exc}") from exc
     try:
         should_terminate, text, score, metadata = response
@@ -321,11 +322,17 @@ async def _start_messages(request: AsyncRolloutRequest, user: UserTurns, config:
     except TimeoutError:
         raise InteractionError(f"{interaction_name(user)} timed out after {config.interaction_timeout_s:g} s "
                                "opening the conversation") from None  # fmt: skip
-    except Exception as exc:
+    except CONTAINED as exc:
         raise InteractionError(f"{interaction_name(user)} failed opening the conversation: "
                                f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
-    if messages is not None:
-        request.messages = [{"role": m["role"], "content": valid_text(str(m["content"]))} for m in messages]
+    if messages is not None:  # what the interaction added is cut as a step's observation is
+        given = request.messages
+        cut = config.max_tool_response_chars
+        request.messages = [
+            {"role": m["role"], "content": valid_text(str(m["content"]) if m in given else
+                                                      truncate_middle(str(m["content"]), cut))}
+            for m in messages
+        ]  # fmt: skip
 
 
 def _add_initial_observations(request: AsyncRolloutRequest, created: list[tuple[BaseTool, str]]) -> None:
@@ -359,7 +366,7 @@ async def _release(
                          config.tool_reward_timeout_s)  # fmt: skip
         except asyncio.CancelledError as exc:
             cancelled = exc
-        except Exception as exc:
+        except CONTAINED as exc:
             note_error(request, f"finalize_interaction of {interaction_name(user)} failed: {describe_error(exc)}")
     for tool, instance_id in created:
         kwargs = request.tools_kwargs.get(tool.name, {}).get("release_kwargs", {})
@@ -367,7 +374,7 @@ async def _release(
             await within(tool.release(instance_id, **kwargs), config.tool_reward_timeout_s)
         except asyncio.CancelledError as exc:
             cancelled = exc
-        except Exception as exc:
+        except CONTAINED as exc:
             note_error(request, f"release of {tool.name} failed: {describe_error(exc)}")
     if cancelled is not None:
         raise cancelled

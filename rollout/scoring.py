@@ -17,6 +17,7 @@ from rollout.reasoning import get_reasoning_format
 from rollout.request import AsyncRolloutRequest
 from rollout.tokens import ChatTokenizer
 from rollout.transcript import Transcript
+from rollout.user_threads import CONTAINED
 from tools.base import BaseTool
 
 
@@ -57,7 +58,7 @@ async def score_request(
             if not math.isfinite(reward):
                 raise ValueError(f"returned {reward}, not a finite number")
             request.rewards.tools[tool.name] = reward
-        except Exception as exc:
+        except CONTAINED as exc:
             request.rewards.tools[tool.name] = 0.0
             request.metrics.tool_errors += 1
             note_error(request, f"calc_reward of {tool.name} failed: {type(exc).__name__}: {exc}")
@@ -68,7 +69,7 @@ async def score_request(
             if not math.isfinite(score):
                 raise ValueError(f"returned {score}, not a finite number")
             request.rewards.interaction = score
-        except Exception as exc:
+        except CONTAINED as exc:
             note_error(request, f"calculate_score of {interaction_name(user)} failed: {describe_error(exc)}")
     if request.ground_truth is not None or ANSWER_REWARD_KEY in request.extra:
         try:  # math-verify's symbolic fallback (or a task's own checker) can take a while: off the event loop
@@ -87,7 +88,7 @@ async def score_request(
             raise ValueError(f"gave {result!r}, not a finite number")
         else:
             request.rewards.final = final
-    except Exception as exc:  # 0.0 for the output's readers; reward_error keeps it out of training
+    except CONTAINED as exc:  # 0.0 for the output's readers; reward_error keeps it out of training
         request.rewards.final = 0.0
         request.rewards.reward_error = f"the reward function failed: {type(exc).__name__}: {exc}"
         note_error(request, request.rewards.reward_error)

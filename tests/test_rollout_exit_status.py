@@ -24,6 +24,7 @@ def test_a_rollout_whose_every_request_failed_exits_1_naming_the_first_error(tmp
     assert done.returncode == 1, done.stderr[-2000:]
     message = " ".join(done.stderr.split())
     assert "error: 100% of the trajectories ended in an error (fail_at_error_rate 1); the first: " in message
+    assert "the first: record 0 (sample 0): " in message
     assert "HTTP 500" in message and "Traceback" not in done.stderr
     lines = [orjson.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 4 and all(line["finish_reason"] == "error" for line in lines)  # all kept

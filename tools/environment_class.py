@@ -31,7 +31,7 @@ as a tool, here it is the environment's release. Per request:
   request's tools to be scored (the loop scores them in the tools' order: by name, or as ``methods``
   lists them), the others report 0, so the tools' rewards sum to the environment's.
 - release: the last of the request's tools to be released drops the instance, calling its ``close()``
-  when it has one (after a call that outlived its deadline, once that call returns).
+  when it has one (after a call that outlived its deadline, on that call's thread once it returns).
 
 What ``reset`` returns (when not None) is appended to the prompt's last user message, as TRL appends it:
 the rollout loop reads it from ``initial_observation`` after every tool is created.
@@ -40,15 +40,15 @@ the rollout loop reads it from ``initial_observation`` after every tool is creat
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
+import threading
 import types
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.user_threads import UserCall, UserThreads
 from tools.base import BaseTool, ToolError, ToolResponse
 from tools.function_tool import derive_schema
 from tools.loading import ToolConfigError, import_class
@@ -57,6 +57,7 @@ RESERVED = frozenset({"reset", "get_reward", "close"})
 CONFIG_FIELDS = frozenset({"type", "environment", "kwargs", "methods", "reward", "threads"})
 DEFAULT_THREADS = 256
 _UNSET: Any = object()
+_COUNTING = threading.Lock()  # closes are counted on worker threads too
 
 
 @dataclass
@@ -83,7 +84,7 @@ class _Live:
     observation: Any = None  # what reset returned
     observed: bool = False  # the loop took the observation for the prompt
     rewarded: bool = False
-    pending: asyncio.Future[Any] | None = None  # a worker-thread call, possibly still running past its deadline
+    pending: UserCall | None = None  # the last worker-thread call, possibly still running past its deadline
 
 
 def public_methods(cls: type, reward: str | None) -> list[str]:
@@ -106,17 +107,17 @@ class EnvironmentClass:
         self.methods: list[str] = []
         self.live: dict[str, _Live] = {}
         self.stats = EnvironmentStats()
-        self._pool: ThreadPoolExecutor | None = None
-        self._closing: set[asyncio.Task[None]] = set()  # async closes after a stuck call, kept referenced
+        self._pool: UserThreads | None = None
 
     async def call(self, live: _Live, fn: Any, kwargs: dict[str, Any], what: str) -> Any:
-        """``fn(**kwargs)``: awaited when async, else in a worker thread (never two at once on one instance)."""
+        """``fn(**kwargs)``: awaited when async, else on a daemon thread (never two at once on one instance);
+        the tool's deadline (the loop's) leaves a call that never returns on its thread, stuck."""
         if inspect.iscoroutinefunction(fn):
             return await fn(**kwargs)
-        if live.pending is not None and not live.pending.done():
+        if live.pending is not None and not live.pending.returned:
             raise ToolError(f"environment {self.path}: {what}: its previous call still runs past its deadline")
-        live.pending = asyncio.get_running_loop().run_in_executor(self._workers(), functools.partial(fn, **kwargs))
-        result = await asyncio.shield(live.pending)  # a timeout leaves the thread's future to finish
+        live.pending = await self._workers().start(f"environment {self.path}", what, fn, **kwargs)
+        result = await live.pending.result(None)
         return await result if inspect.isawaitable(result) else result
 
     async def ready(self, live: _Live) -> Any:
@@ -146,26 +147,58 @@ class EnvironmentClass:
         return live.env.reset(**live.reset_kwargs)
 
     async def close(self, live: _Live) -> None:
-        """Close the instance once; after a worker-thread call still running, once it returns."""
-        if live.pending is not None and not live.pending.done():
-            live.pending.add_done_callback(lambda _: self._close_later(live))
-            return
+        """Close the instance once (counted once its close has run); after a call still running, on that
+        call's thread once it returns."""
         close = getattr(live.env, "close", None)
+        if live.env is None:
+            return
+        if not callable(close):
+            self._count_closed()
+            return
+        if live.pending is not None and live.pending.after(lambda: self._close_here(close)):
+            return
+        if inspect.iscoroutinefunction(close):
+            try:
+                await close()
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                self._count_closed()
+                raise
+            self._count_closed()
+            return
+        await self.call(live, self._counted(close), {}, "close")
+
+    def _counted(self, close: Any) -> Any:
+        def closing() -> Any:
+            try:
+                return close()
+            finally:
+                self._count_closed()
+
+        return closing
+
+    def _close_here(self, close: Any) -> None:
+        """Close on this (worker) thread, where no event loop runs: an async close is run to its end here."""
         try:
-            if callable(close):
-                await self.call(live, close, {}, "close")
+            result = close()
+            if inspect.isawaitable(result):
+                asyncio.run(_awaiting(result))
         finally:
-            self.stats.closed += live.env is not None
+            self._count_closed()
 
-    def _close_later(self, live: _Live) -> None:
-        task = asyncio.get_running_loop().create_task(self.close(live))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+    def _count_closed(self) -> None:
+        with _COUNTING:
+            self.stats.closed += 1
 
-    def _workers(self) -> ThreadPoolExecutor:
+    def _workers(self) -> UserThreads:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=f"env-{self.cls.__name__}")
+            self._pool = UserThreads(f"env-{self.cls.__name__}", self.threads)
         return self._pool
+
+
+async def _awaiting(awaitable: Any) -> Any:
+    return await awaitable
 
 
 class EnvironmentMethodTool(BaseTool):

@@ -12,7 +12,9 @@ derive it (``transformers.utils.get_json_schema``)::
         \"\"\"
         return a * b
 
-A sync function runs in a worker thread (``asyncio.to_thread``), an async one on the loop. What
+A sync function runs on a daemon thread of the tool's (``rollout/user_threads.py``: one that never
+returns is left behind when the call's deadline passes, and reported as the command ends), an async
+one on the loop. What
 it returns becomes the text the model reads: a str as it is; a ToolResponse (ours or verl's) or
 ``(text, reward[, metrics])`` as verl reads them; anything else as JSON. A function decorated with
 verl's ``@function_tool`` keeps the name and schema it was registered with.
@@ -20,7 +22,6 @@ verl's ``@function_tool`` keeps the name and schema it was registered with.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import math
@@ -29,8 +30,12 @@ from collections.abc import Callable
 from numbers import Real
 from typing import Any
 
+from rollout.user_threads import UserThreads
 from tools.base import BaseTool, ToolResponse
 from tools.verl_compat import is_verl_response, read_response, schema_dict
+
+THREADS = 64
+"""Calls of one function tool that run at once (a stuck one gives its place to a new thread)."""
 
 
 class FunctionTool(BaseTool):
@@ -39,12 +44,16 @@ class FunctionTool(BaseTool):
     def __init__(self, fn: Callable[..., Any], schema: dict[str, Any] | None = None):
         self.fn = fn
         super().__init__(schema=schema or derive_schema(fn))
+        self._threads: UserThreads | None = None
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResponse:
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**parameters)
-        else:
-            result = await asyncio.to_thread(self.fn, **parameters)
+        else:  # on a daemon thread: a call that never returns is left there when its deadline passes
+            if self._threads is None:
+                self._threads = UserThreads(f"tool-{self.name}", THREADS)
+            call = await self._threads.start(f"tool {self.name}", "call", self.fn, **parameters)
+            result = await call.result(None)
         return function_result(result, self.name)
 
 

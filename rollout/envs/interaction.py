@@ -9,9 +9,12 @@ One environment per request, in the request's state machine (the INTERACTING sta
     calculate_score     the sum of the steps' rewards: the environment's return
     finalize            close it, exactly once, also on error and cancel
 
-Sync environments run in this interaction's own worker threads (``threads``), so a slow ``step`` never
-stalls the event loop; every call has a deadline (``reset_timeout_s``, ``step_timeout_s``). A call that
-outlives its deadline ends its request with an error; its environment is closed once the call returns.
+Sync environments run on this interaction's own daemon threads (``rollout/user_threads.py``), so a slow
+``step`` never stalls the event loop and a hung one never holds a thread the others need nor keeps the
+command alive; async ones are awaited slice by slice (``rollout/user_coroutines.py``: one that blocks the
+loop is named). Every call has a deadline (``reset_timeout_s``, ``step_timeout_s``; ``close`` has the
+reset's). A call that outlives it ends its request with an error; its environment is closed once the
+call returns, on the call's own thread.
 
 ```yaml
 interaction:
@@ -31,21 +34,25 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rollout.deadlines import within
 from rollout.envs.bindings import binding_class
 from rollout.envs.step import EnvError, as_step, first_messages
+from rollout.user_coroutines import BlockedLoop, run_user, stall_note, stalled
+from rollout.user_threads import DEFAULT_MAX_STUCK, StuckCallsError, UserCall, UserThreads
 from rollout.users.interactions import BaseInteraction, last_assistant_text
 
 if TYPE_CHECKING:
     from rollout.envs.ray_env import RayEnvironments
+
+
+_COUNTING = threading.Lock()
 
 
 @dataclass
@@ -58,6 +65,11 @@ class EnvStats:
     step_seconds: float = 0.0  # wall time inside reset and step calls, summed over requests
     errors: int = 0
 
+    def count(self, what: str) -> None:
+        """One more ``opened`` or ``closed``: also from a worker thread (a close after a late return)."""
+        with _COUNTING:
+            setattr(self, what, getattr(self, what) + 1)
+
 
 @dataclass
 class _Episode:
@@ -65,7 +77,7 @@ class _Episode:
     seed: int | None
     binding: Any = None
     rewards: list[float] = field(default_factory=list)
-    pending: Any = None  # a worker-thread call still running past its deadline
+    pending: UserCall | None = None  # the last worker-thread call (it may still run past its deadline)
     done: bool = False
     closed: bool = False
 
@@ -74,7 +86,9 @@ class EnvironmentInteraction(BaseInteraction):
     """Runs a step environment (textarena, GEM, SkyRL-Gym, OpenEnv, or a class by import path) per request.
 
     Config: ``env`` (``family:id`` or ``pkg.module:Class``), ``env_kwargs``, ``reset_timeout_s`` (60),
-    ``step_timeout_s`` (30), ``threads`` (256: worker threads for sync environments), ``check`` (True:
+    ``step_timeout_s`` (30), ``threads`` (256: sync calls at once, on daemon threads; a call stuck past its
+    deadline gives its place to a new thread), ``max_stuck`` (1024: stuck calls before new ones are refused),
+    ``max_info_chars`` (16384: a step's ``info`` kept up to this much JSON), ``check`` (True:
     one episode is reset and closed when the rollout starts, so an environment that needs a download
     fails then, not mid-run), ``executor`` ("local", or "ray": the environments in Ray actors, with the
     ``ray`` settings of ``tools/ray_cluster.RayOptions``).
@@ -87,6 +101,8 @@ class EnvironmentInteraction(BaseInteraction):
         self.reset_timeout_s = float(self.config.get("reset_timeout_s", 60.0))
         self.step_timeout_s = float(self.config.get("step_timeout_s", 30.0))
         self.threads = int(self.config.get("threads", 256))
+        self.max_stuck = int(self.config.get("max_stuck", DEFAULT_MAX_STUCK))
+        self.max_info_chars = int(self.config.get("max_info_chars", 16_384))
         self.check = bool(self.config.get("check", True))
         if self.env is not None:
             binding_class(str(self.env))  # an unknown family or a missing extra fails here, at load
@@ -104,7 +120,7 @@ class EnvironmentInteraction(BaseInteraction):
         elif "ray" in self.config:
             raise ValueError(f"interaction {self.name}: 'ray' settings, but executor is {self.executor!r}")
         self.stats = EnvStats()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: UserThreads | None = None
         self._binding_classes: set[type] = set()  # their shutdown() stops what they started (OpenEnv's servers)
 
     # ----- startup and shutdown -------------------------------------------------------------------
@@ -128,7 +144,7 @@ class EnvironmentInteraction(BaseInteraction):
             if callable(shutdown):
                 await asyncio.to_thread(shutdown)  # blocking: stops server processes
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
 
     # ----- the interaction's coroutines -------------------------------------------------------------
@@ -148,12 +164,12 @@ class EnvironmentInteraction(BaseInteraction):
         try:
             episode.binding = await self._call(episode, make, env_id, **env_kwargs, _what="make",
                                                _timeout=self.reset_timeout_s)  # fmt: skip
-            self.stats.opened += 1
+            self.stats.count("opened")
         except BaseException:
             self._instances.pop(instance_id, None)
-            made = episode.pending
-            if made is not None and not made.done():  # made after all, once the thread returns: close it then
-                made.add_done_callback(self._close_late)
+            making = episode.pending
+            if making is not None:  # made after all, once the thread returns: closed there
+                making.after(lambda: self._close_late(making))
             raise
         return instance_id
 
@@ -176,8 +192,18 @@ class EnvironmentInteraction(BaseInteraction):
         episode.done = step.done
         metadata = {"reward": step.reward, "done": step.done, "truncated": step.truncated}
         if step.info:
-            metadata["info"] = orjson.loads(orjson.dumps(step.info, default=repr, option=orjson.OPT_NON_STR_KEYS))
+            metadata["info"] = self._kept_info(step.info, episode.spec)
         return step.done, step.observation, step.reward, metadata
+
+    def _kept_info(self, info: dict[str, Any], spec: str) -> Any:
+        """A step's ``info`` as JSON, kept whole up to ``max_info_chars``; past that, a note of its size."""
+        try:
+            text = orjson.dumps(info, default=repr, option=orjson.OPT_NON_STR_KEYS)
+        except TypeError as exc:  # a circular info, a key orjson cannot write
+            raise EnvError(f"environment {spec}: step info cannot be written as JSON: {exc}") from None
+        if len(text) > self.max_info_chars:
+            return {"dropped": f"an info of {len(text):,} characters, over max_info_chars {self.max_info_chars:,}"}
+        return orjson.loads(text)
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         return float(sum(self._episode(instance_id).rewards))
@@ -196,70 +222,125 @@ class EnvironmentInteraction(BaseInteraction):
             raise EnvError(f"{self.name}: no live environment {instance_id!r}") from None
 
     async def _call(self, episode: _Episode, fn: Any, *args: Any, _what: str, _timeout: float, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``: awaited when it is a coroutine function, else in a worker thread;
-        under ``_timeout`` seconds. Errors name the environment and the call."""
+        """``fn(*args, **kwargs)``: awaited when it is a coroutine function, else on a worker thread; under
+        ``_timeout`` seconds (moved by the time other calls blocked the event loop meanwhile). Errors name
+        the environment and the call."""
         started = time.monotonic()
+        owner = f"environment {episode.spec}"
         try:
             if inspect.iscoroutinefunction(fn):
-                return await within(fn(*args, **kwargs), _timeout)
-            if episode.pending is not None and not episode.pending.done():
-                raise EnvError(f"environment {episode.spec}: {_what}: its previous call still runs past its deadline")
-            future = asyncio.get_running_loop().run_in_executor(self._workers(), lambda: fn(*args, **kwargs))
-            episode.pending = future
-            result = await within(asyncio.shield(future), _timeout)
+                return await self._awaited(fn(*args, **kwargs), owner, _what, _timeout)
+            if episode.pending is not None and not episode.pending.returned:
+                raise EnvError(f"{owner}: {_what}: its previous call still runs past its deadline")
+            episode.pending = await self._workers().start(owner, _what, fn, *args, **kwargs)
+            result = await episode.pending.result(_timeout, credit=_stalled_since)
             if inspect.isawaitable(result):  # a sync method that returned a coroutine
-                result = await within(result, _timeout)
+                result = await self._awaited(result, owner, _what, _timeout)
             return result
         except TimeoutError:
             self.stats.errors += 1
-            raise EnvError(f"environment {episode.spec}: {_what} timed out after {_timeout:g} s") from None
+            note = stall_note(stalled(started, time.monotonic())[1])
+            raise EnvError(f"{owner}: {_what} timed out after {_timeout:g} s{note}") from None
         except (EnvError, asyncio.CancelledError):
             raise
+        except (BlockedLoop, StuckCallsError) as exc:
+            self.stats.errors += 1
+            raise EnvError(str(exc)) from None
         except Exception as exc:
             self.stats.errors += 1
-            raise EnvError(f"environment {episode.spec}: {_what} failed: {type(exc).__name__}: {exc}") from exc
+            raise EnvError(f"{owner}: {_what} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self.stats.step_seconds += time.monotonic() - started
 
+    async def _awaited(self, coroutine: Any, owner: str, what: str, timeout_s: float) -> Any:
+        """A coroutine of the environment's, as a task waited on for ``timeout_s`` plus the time others
+        blocked the loop meanwhile (its own stalls are its own); cancelled when that runs out."""
+        token = object()
+        task = asyncio.ensure_future(run_user(coroutine, owner, what, timeout_s, token))
+        started = time.monotonic()
+        deadline = started + timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=max(0.0, deadline - time.monotonic()))
+                if done:
+                    return task.result()
+                extended = started + timeout_s + stalled(started, time.monotonic(), exclude=token)[0]
+                if extended <= time.monotonic() + 0.01:
+                    raise TimeoutError
+                deadline = extended
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _close(self, episode: _Episode) -> None:
-        """Close the environment once; after a call still running past its deadline, once that call returns."""
+        """Close the environment once (counted when its close has run); after a call still running past its
+        deadline, on that call's thread once it returns."""
         if episode.closed or episode.binding is None:
             return
         episode.closed = True
         close = getattr(episode.binding, "close", None)
         if not callable(close):
-            self.stats.closed += 1
+            self.stats.count("closed")
             return
+        if episode.pending is not None and episode.pending.after(lambda: self._close_here(close)):
+            return
+        await self._call(episode, self._counted(close), _what="close", _timeout=self.reset_timeout_s)
+
+    def _counted(self, close: Any) -> Any:
+        """``close``, counted in ``stats.closed`` once it has run (returned or raised; not when cancelled)."""
         if inspect.iscoroutinefunction(close):
+
+            async def closing() -> Any:
+                try:
+                    result = await close()
+                except asyncio.CancelledError:
+                    raise
+                except BaseException:
+                    self.stats.count("closed")
+                    raise
+                self.stats.count("closed")
+                return result
+
+            return closing
+
+        def closing_sync() -> Any:
             try:
-                await within(close(), self.reset_timeout_s)
+                return close()
             finally:
-                self.stats.closed += 1
-            return
-        pending = episode.pending
-        if pending is not None and not pending.done():  # close after the stuck call, off this request's path
-            pending.add_done_callback(lambda _: self._workers().submit(self._close_sync, close))
-            return
-        await asyncio.get_running_loop().run_in_executor(self._workers(), self._close_sync, close)
+                self.stats.count("closed")
 
-    def _close_late(self, made: Any) -> None:
-        """Close an environment whose making outlived its deadline or its request."""
-        if made.cancelled() or made.exception() is not None:
-            return
-        self.stats.opened += 1
-        close = getattr(made.result(), "close", None)
-        if callable(close) and not inspect.iscoroutinefunction(close):
-            self._workers().submit(self._close_sync, close)
-        else:
-            self.stats.closed += 1
+        return closing_sync
 
-    def _close_sync(self, close: Any) -> None:
+    def _close_here(self, close: Any) -> None:
+        """Close on this (worker) thread, where no event loop runs: a coroutine is run to its end here."""
         try:
-            close()
+            result = close()
+            if inspect.isawaitable(result):
+                asyncio.run(_awaiting(result))
         finally:
-            self.stats.closed += 1
+            self.stats.count("closed")
 
-    def _workers(self) -> ThreadPoolExecutor:
+    def _close_late(self, call: UserCall) -> None:
+        """On the thread of a make that outlived its deadline or its request: close what it made."""
+        raised, made = call.outcome or (True, None)
+        if raised:
+            return
+        self.stats.count("opened")
+        close = getattr(made, "close", None)
+        if callable(close):
+            self._close_here(close)
+        else:
+            self.stats.count("closed")
+
+    def _workers(self) -> UserThreads:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=f"env-{self.name}")
+            self._pool = UserThreads(f"env-{self.name}", self.threads, self.max_stuck)
         return self._pool
+
+
+def _stalled_since(since: float) -> float:
+    return stalled(since, time.monotonic())[0]
+
+
+async def _awaiting(awaitable: Any) -> Any:
+    return await awaitable

@@ -107,20 +107,20 @@ class OpenEnvBinding:
     def _text(self, observation: Any) -> str:
         """The observation's text: ``observation_field``, else its only string field, else its fields as JSON."""
         if not isinstance(observation, dict):
-            return observation_text(observation)
+            return _as_text(observation)
         if self.observation_field is not None:
             if self.observation_field not in observation:
                 raise ValueError(
                     f"observation_field {self.observation_field!r} is not in the observation "
                     f"(its fields: {', '.join(sorted(observation)) or 'none'})"
                 )
-            return observation_text(observation[self.observation_field])
+            return _as_text(observation[self.observation_field])
         fields = {k: v for k, v in observation.items() if k not in SKIPPED_FIELDS}
         texts = [v for v in fields.values() if isinstance(v, str)]
         if len(texts) == 1:
             return texts[0]
         if len(fields) == 1:
-            return observation_text(next(iter(fields.values())))
+            return _as_text(next(iter(fields.values())))
         return orjson.dumps(fields, default=str, option=orjson.OPT_SORT_KEYS).decode()
 
     async def _call(self, call: Any) -> Any:
@@ -179,3 +179,12 @@ def _action_field(schema: dict[str, Any], spec: str, given: str | None) -> str:
         f"environment {spec}: its action ({title}) has the fields {', '.join(properties) or 'none'}; name the one "
         "the assistant's text fills with env_kwargs action_field (and constant values of the others with action_extra)"
     )
+
+
+def _as_text(value: Any) -> str:
+    """An observation field as text: as ``observation_text`` reads it, else as JSON (a typed server's fields
+    are JSON already)."""
+    try:
+        return observation_text(value)
+    except TypeError:
+        return orjson.dumps(value, default=str, option=orjson.OPT_SORT_KEYS).decode()

@@ -47,15 +47,15 @@ def as_step(result: Any, env: str) -> Step:
     if isinstance(result, Step):
         step = result
     elif isinstance(result, Mapping):  # SkyRL-Gym's BaseTextEnvStepOutput
-        step = Step(observation_text(result.get("observations", result.get("observation", ""))),
+        step = Step(observation_text(result.get("observations", result.get("observation", "")), env),
                     _reward(result.get("reward"), env), bool(result.get("done")), bool(result.get("truncated")),
                     dict(result.get("metadata") or result.get("info") or {}))  # fmt: skip
     elif isinstance(result, tuple) and len(result) == 5:  # gymnasium: obs, reward, terminated, truncated, info
         obs, reward, terminated, truncated, info = result
-        step = Step(observation_text(obs), _reward(reward, env), bool(terminated), bool(truncated), _info(info))
+        step = Step(observation_text(obs, env), _reward(reward, env), bool(terminated), bool(truncated), _info(info))
     elif isinstance(result, tuple) and len(result) == 4:  # gym: obs, reward, done, info
         obs, reward, done, info = result
-        step = Step(observation_text(obs), _reward(reward, env), bool(done), False, _info(info))
+        step = Step(observation_text(obs, env), _reward(reward, env), bool(done), False, _info(info))
     else:
         raise TypeError(
             f"environment {env}: step returned {type(result).__name__}; expected a Step, "
@@ -66,20 +66,31 @@ def as_step(result: Any, env: str) -> Step:
     return step
 
 
-def observation_text(observation: Any) -> str:
-    """An observation as the text of a user message: a string as it is, chat messages joined by
-    their contents, a mapping's ``content`` / ``text`` / ``observation``, anything else as ``str``."""
+def observation_text(observation: Any, env: str = "") -> str:
+    """An observation as the text of a user message: a string as it is, UTF-8 bytes decoded, a number
+    written out, chat messages joined by their contents, a mapping's ``content`` / ``text`` /
+    ``observation`` / ``prompt``; anything else is a TypeError naming ``env``."""
     if observation is None:
         return ""
     if isinstance(observation, str):
         return observation
+    if isinstance(observation, bytes | bytearray):
+        try:
+            return bytes(observation).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TypeError(f"environment {env}: an observation of bytes that are not UTF-8 text ({exc})") from None
+    if isinstance(observation, int | float) and not isinstance(observation, bool):
+        return str(observation)
     if isinstance(observation, list):
-        return "\n".join(observation_text(item) for item in observation)
+        return "\n".join(observation_text(item, env) for item in observation)
     if isinstance(observation, Mapping):
         for key in ("content", "text", "observation", "prompt"):
             if key in observation:
-                return observation_text(observation[key])
-    return str(observation)
+                return observation_text(observation[key], env)
+        raise TypeError(f"environment {env}: an observation mapping without content, text, observation or prompt "
+                        f"(keys: {', '.join(map(str, list(observation)[:8]))})")  # fmt: skip
+    raise TypeError(f"environment {env}: an observation of type {type(observation).__name__} is not text; "
+                    "return a str (or chat messages)")  # fmt: skip
 
 
 def first_messages(result: Any, prompt: list[dict[str, Any]], env: str) -> list[dict[str, Any]]:
@@ -87,12 +98,16 @@ def first_messages(result: Any, prompt: list[dict[str, Any]], env: str) -> list[
     and the observation as a user message; a list of chat messages replaces the prompt."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping | type(None)):
         result = result[0]  # (obs, info) as gymnasium's reset returns it
+    elif isinstance(result, tuple):
+        hint = " (what a step returns)" if len(result) in (4, 5) else ""
+        raise TypeError(f"environment {env}: reset returned a tuple of {len(result)}{hint}; expected the first "
+                        "observation, (observation, info) or chat messages")  # fmt: skip
     if isinstance(result, list) and result and all(isinstance(m, Mapping) and "role" in m for m in result):
-        messages = [{"role": str(m["role"]), "content": observation_text(m.get("content"))} for m in result]
+        messages = [{"role": str(m["role"]), "content": observation_text(m.get("content"), env)} for m in result]
         if not any(m["role"] == "user" for m in messages):
             raise TypeError(f"environment {env}: reset gave messages without a user message")
         return messages
-    text = observation_text(result)
+    text = observation_text(result, env)
     if not text:
         raise TypeError(f"environment {env}: reset gave no first observation (an empty text)")
     return [*prompt, {"role": "user", "content": text}]
@@ -101,12 +116,20 @@ def first_messages(result: Any, prompt: list[dict[str, Any]], env: str) -> list[
 def _reward(value: Any, env: str) -> float:
     if value is None:
         return 0.0
-    if isinstance(value, Mapping | list | tuple):  # textarena's {player: reward}: read by its binding
-        raise TypeError(f"environment {env}: step reward {value!r} is not a number")
-    reward = float(value)
+    if isinstance(value, Mapping | list | tuple | str | bytes):  # textarena's {player: reward}: read by its binding
+        raise TypeError(f"environment {env}: step reward {_short(value)} is not a number")
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"environment {env}: step reward {_short(value)} is not a number") from None
     if not math.isfinite(reward):
         raise ValueError(f"environment {env}: step reward {reward} is not a finite number")
     return reward
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _info(info: Any) -> dict[str, Any]:
