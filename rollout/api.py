@@ -97,12 +97,12 @@ def load_prompts(config: PromptsConfig, default_count: int = 64) -> list[Record]
 
 
 def setup_tools(
-    tools_path: str | Path | None, tokenizer: Any, task: str | None = None
+    tools_path: str | Path | None, tokenizer: Any, task: str | None = None, content_special_tokens: str = "text"
 ) -> tuple[dict[str, BaseTool], ChatTokenizer]:
     """The tools of a tool config (default: the calculator) and the chat tokenizer that renders
-    their schemas into every prompt."""
+    their schemas into every prompt (``RolloutConfig.content_special_tokens``)."""
     tools = load_tool_config(tools_path, task)
-    return tools, tools_chat(tools, tokenizer)
+    return tools, tools_chat(tools, tokenizer, content_special_tokens)
 
 
 def load_tool_config(tools_path: str | Path | None, task: str | None = None) -> dict[str, BaseTool]:
@@ -117,11 +117,11 @@ def load_tool_config(tools_path: str | Path | None, task: str | None = None) -> 
     return {} if task is not None and is_env_task(task) else build_tools(DEFAULT_TOOLS)
 
 
-def tools_chat(tools: dict[str, BaseTool], tokenizer: Any) -> ChatTokenizer:
+def tools_chat(tools: dict[str, BaseTool], tokenizer: Any, content_special_tokens: str = "text") -> ChatTokenizer:
     """The chat tokenizer that renders the schemas of ``tools`` into every prompt."""
     from rollout.tokens import ChatTokenizer
 
-    return ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()])
+    return ChatTokenizer(tokenizer, [tool.schema for tool in tools.values()], content_special_tokens)
 
 
 def setup_interactions(path: str | Path | None, task: str | None = None) -> dict[str, Any]:
@@ -272,7 +272,7 @@ async def rollout_session(config: RolloutCommand) -> AsyncIterator[Session]:
     from rollout.tokens import load_tokenizer  # transformers and torch: seconds
 
     tokenizer = load_tokenizer(model_dir)
-    chat = tools_chat(tools, tokenizer)
+    chat = tools_chat(tools, tokenizer, config.rollout.content_special_tokens)
     judge = make_judge(config.judge)
     reward_fn = make_reward(config.reward, judge)
     async with contextlib.AsyncExitStack() as stack:

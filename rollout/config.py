@@ -84,6 +84,13 @@ class RolloutConfig:
     engine, ``engine.local.max_batch_size`` bounds how many of them decode together."""
     check_consistency: bool = True
     """Re-render each finished conversation and record any token difference (``consistency_diff``)."""
+    content_special_tokens: Literal["text", "tokens"] = "text"
+    """How the string of a special or added token (``<|im_end|>``, ``<tool_call>``, the EOS string ...) in
+    the content of a system, user or tool message (the record's prompt, a user's or an environment's turn, a
+    tool output) is tokenized. text: as the ordinary tokens of its characters, so no content can forge a
+    turn boundary or a tool call in the model's context; tokens: as that token's id (what
+    ``apply_chat_template`` does, and verl and TRL unless told). The chat template's own markers are its
+    tokens, and the model's turns its own ids, either way."""
 
     def __post_init__(self) -> None:
         check_fields(self)

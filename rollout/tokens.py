@@ -31,6 +31,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rollout.ascii_tokens import AsciiDecoder
+from rollout.content_text import ContentsAsText, ContentText
 from rollout.template_pieces import (
     MAX_STRUCTURES,
     Render,
@@ -80,9 +81,14 @@ _PROBE_END = 8192
 
 
 class ChatTokenizer:
-    """A tokenizer plus the tool schemas of a rollout: renders prompts, glue and deltas."""
+    """A tokenizer plus the tool schemas of a rollout: renders prompts, glue and deltas. With
+    ``content_special_tokens="text"`` the contents of system, user and tool messages are tokenized as
+    text: a special token's string in one is its characters' tokens (``rollout/content_text.py``)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None,
+                 content_special_tokens: str = "text"):  # fmt: skip
+        if content_special_tokens not in ("text", "tokens"):
+            raise ValueError(f"content_special_tokens must be 'text' or 'tokens', got {content_special_tokens!r}")
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
         self.tokenizer = tokenizer
@@ -108,6 +114,7 @@ class ChatTokenizer:
         self._splitter = SegmentSplitter.of(self._backend)
         self._encode = None if self._backend is None else fast_encoder(self._backend)
         self._ascii_decode = None if self._backend is None else AsciiDecoder.of(self._backend)
+        self._content = ContentText.of(tokenizer) if content_special_tokens == "text" else None
         cut = base_text.rfind(_SENTINEL)
         if cut < 0:
             raise TemplateError("the chat template does not render assistant content as given")
@@ -156,9 +163,7 @@ class ChatTokenizer:
             if len(self._conversations) >= MAX_STRUCTURES:
                 return None
             direct = self._direct
-            self._conversations[key] = around_contents(
-                shape, lambda messages: direct(messages, add_generation_prompt)
-            )
+            self._conversations[key] = around_contents(shape, lambda messages: direct(messages, add_generation_prompt))
         return self._conversations[key]
 
     def encode(self, text: str) -> list[int]:
@@ -182,6 +187,8 @@ class ChatTokenizer:
 
     def prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The first prompt's text and ids."""
+        if self._content is not None and self._content.holds(messages):
+            return self._content.render(messages, lambda masked: self.render(masked, True), self.encode)
         text = self.render(messages, add_generation_prompt=True)
         if self._splitter is not None:
             return text, self._splitter.encode(text, remember=True)
@@ -212,7 +219,8 @@ class ChatTokenizer:
         text, ids = delta
         if output_ids and ids and output_ids[-1] in self._openers and ids[0] == output_ids[-1]:
             opener = self._stop_text[ids[0]]
-            return (text[len(opener) :] if text.startswith(opener) else self.decode(ids[1:])), ids[1:]
+            cut = text[len(opener) :] if text.startswith(opener) else self.decode(ids[1:])
+            return (ContentsAsText(cut) if isinstance(text, ContentsAsText) else cut), ids[1:]
         return delta
 
     def opens_next_message(self, token: int) -> bool:
@@ -237,6 +245,8 @@ class ChatTokenizer:
 
     def delta(self, new_messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The text and ids of ``new_messages`` plus the next generation prompt."""
+        if self._content is not None and self._content.holds(new_messages):
+            return self._content.render(new_messages, self._rendered_delta, self.encode)
         shape = shape_of(new_messages)
         pieces = None if shape is None else self._delta_pieces(shape)
         if pieces is None:
@@ -285,7 +295,7 @@ class ChatTokenizer:
         if self._splitter is None:
             return None
         transcript = Transcript(self._splitter)
-        transcript.append(prompt_text, prompt_ids, trusted=True)
+        transcript.append(prompt_text, prompt_ids, trusted=not isinstance(prompt_text, ContentsAsText))
         return transcript
 
     def add_output(self, transcript: Transcript | None, output_ids: list[int], content: str) -> None:
@@ -304,11 +314,12 @@ class ChatTokenizer:
         else:
             close_text, trusted = self._close_rest_text, self._close_rest_trusted
         delta_text, delta_ids = delta
-        if trusted and transcript.splitter.pattern.match(delta_text):  # cut at a split token: one encoded piece
+        own = not isinstance(delta_text, ContentsAsText)  # (else its contents are text: checked, not trusted)
+        if trusted and own and transcript.splitter.pattern.match(delta_text):  # cut at a split token: one piece
             transcript.append(close_text + delta_text, close + delta_ids, trusted=True)
         else:
             transcript.append(close_text, close, trusted)
-            transcript.append(delta_text, delta_ids, trusted=True)
+            transcript.append(delta_text, delta_ids, trusted=own)
 
     # ----- checking -------------------------------------------------------------------------
 
@@ -330,7 +341,10 @@ class ChatTokenizer:
             tail = self._tail_beyond_transcript(rendered, ids, transcript, ends_with_assistant)
             if tail is not None:
                 return ConsistencyReport(ok=True, expected_len=len(ids) + len(tail), actual_len=len(ids))
-        expected = self.encode(rendered)
+        if self._content is not None and self._content.holds(messages):  # (rendered again, contents masked)
+            expected = self._content.render(messages, lambda m: self.render(m, not ends_with_assistant), self.encode)[1]
+        else:
+            expected = self.encode(rendered)
         report = ConsistencyReport(ok=True, expected_len=len(expected), actual_len=len(ids))
         tail = expected[len(ids) :]
         allowed_tails = ([], self.turn_close_ids, self.turn_close_ids[1:]) if ends_with_assistant else ([],)

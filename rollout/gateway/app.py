@@ -96,7 +96,7 @@ class Gateway(SessionLifecycle):
         self.counters = {"sessions_opened": 0, "sessions_finished": 0, "sessions_expired": 0, "sessions_evicted": 0,
                          "calls": 0, "samples_split": 0, "calls_refused": 0, "calls_failed": 0}  # fmt: skip
         super().__init__()
-        self._chats = ChatCache(tokenizer)
+        self._chats = ChatCache(tokenizer, content_special_tokens=rollout.content_special_tokens)
         self._longest_token = longest_token_chars(tokenizer)
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None

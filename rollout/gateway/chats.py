@@ -27,8 +27,10 @@ class ChatCache:
     """Chat tokenizers by their tools' JSON (``""`` for none), least recently used first out.
     Safe to use from several threads (calls are prepared on worker threads)."""
 
-    def __init__(self, tokenizer: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
+    def __init__(self, tokenizer: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES,
+                 content_special_tokens: str = "text"):  # fmt: skip
         self.tokenizer = tokenizer
+        self.content_special_tokens = content_special_tokens
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._chats: OrderedDict[str, ChatTokenizer] = OrderedDict()
         self._bytes = 0
@@ -53,7 +55,7 @@ class ChatCache:
                 self._chats.move_to_end(key)
                 return chat
         try:
-            chat = ChatTokenizer(self.tokenizer, tools)
+            chat = ChatTokenizer(self.tokenizer, tools, self.content_special_tokens)
         except TemplateError as exc:
             raise BadRequest(f"tools: {exc}") from None
         except RecursionError:
