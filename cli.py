@@ -30,6 +30,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+LOG_WITH_HELP = (
+    "Also log to Accelerate's trackers, offline under the run directory: tensorboard, wandb, "
+    "trackio or mlflow (repeat for several; log_with)."
+)
 COMMANDS = ("rollout", "train", "eval", "serve", "sft", "gateway")
 
 
@@ -199,6 +203,7 @@ def train(
     checkpoint_on_signal: str = typer.Option(
         None, help="Also checkpoint and exit 75 on this signal, e.g. SIGUSR1 (SIGTERM and SIGINT always do)."
     ),
+    log_with: list[str] = typer.Option(None, help=LOG_WITH_HELP),
 ) -> None:
     """Train with GRPO: rollout, rewards, advantages, update, weight sync, log; checkpoints as it goes.
     SIGTERM, SIGINT or --checkpoint-on-signal: a checkpoint at the next safe point, then exit 75."""
@@ -208,7 +213,7 @@ def train(
         "samples_per_prompt": samples_per_prompt, "lr": lr, "seed": seed, "reward": reward, "judge.url": judge_url,
         "engine.urls": engine_url or None, "engine.server": engine_server, "weight_sync.transport": weight_sync,
         "threads": threads, "progress": progress, "async_rl": async_rl, "max_staleness": max_staleness,
-        "colocate": colocate, "checkpoint_on_signal": checkpoint_on_signal,
+        "colocate": colocate, "checkpoint_on_signal": checkpoint_on_signal, "log_with": log_with or None,
     }  # fmt: skip
     with _errors_for_people():
         grpo_config = _load("train", config, flags, set_)  # a bad setting fails before torch loads
@@ -250,6 +255,7 @@ def sft(
     export: Path = typer.Option(None, help="Copy the last checkpoint here (data/assets/tiny-calc rebuilds it)."),
     threads: int = typer.Option(None, help="torch intra-op threads."),
     progress: bool = typer.Option(None, "--progress/--no-progress", help="Show a progress bar."),
+    log_with: list[str] = typer.Option(None, help=LOG_WITH_HELP),
 ) -> None:
     """Supervised fine-tuning on conversations or trajectories, loss on assistant tokens only.
     `--recipe tiny-calc --export data/assets/tiny-calc` rebuilds the embedded model."""
@@ -260,7 +266,7 @@ def sft(
         "out": out, "model": model, "data": data, "min_reward": min_reward, "num_examples": num_examples,
         "steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every, "eval_prompts": eval_prompts,
         "seed": seed, "device": device, "stop_accuracy": stop_accuracy, "export": export, "threads": threads,
-        "progress": progress,
+        "progress": progress, "log_with": log_with or None,
     }  # fmt: skip
     with _errors_for_people():
         given = _given("sft", config, flags, set_)
@@ -368,9 +374,10 @@ def bench(
 def _register_more_commands() -> None:
     """Commands on files and data, defined beside what they work on."""
     from data.commands import data_app, export_model, new_model
-    from rollout.files.commands import check, export_command, show_command
+    from rollout.files.commands import check, export_command
     from rollout.gateway.command import gateway_command
     from rollout.serve.command import serve_command
+    from trainer.metrics_show import show_command  # trajectories, and a run's metrics.jsonl
 
     app.command("new-model")(new_model)
     app.command("export-model")(export_model)

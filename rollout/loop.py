@@ -177,6 +177,8 @@ async def _converse(
             request.finish(FinishReason.LENGTH)
             return
         turn = parser(message["content"])
+        request.metrics.parsed_calls += len(turn.calls)  # (those of a turn with no turns left too)
+        request.metrics.malformed_calls += sum(call.error is not None for call in turn.calls)
         if not turn.calls and user is None:
             request.finish(FinishReason.STOP)
             return
@@ -219,11 +221,12 @@ async def _call_tools(
     for call in skipped:
         message = f"skipped: at most {config.max_parallel_calls} tool calls are run per turn"
         records.append(ToolCallRecord(turn, call.name, call.arguments, f"Error: {message}", error=message))
-    for record in records:
+    for call, record in zip(calls, records, strict=True):  # (allowed, then skipped: the calls' order)
         request.tool_calls.append(record)
         request.rewards.step.append(record.reward)
         request.metrics.tool_calls += 1
         request.metrics.tool_errors += record.error is not None
+        request.metrics.failed_calls += record.error is not None and call.error is None
     return records
 
 

@@ -88,6 +88,9 @@ class RequestMetrics:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    parsed_calls: int = 0  # every call the tool-call parser returned, malformed ones and the last turn's included
+    malformed_calls: int = 0  # of those, the calls it could not read (``ToolCall.error``)
+    failed_calls: int = 0  # calls run that were read but came back as an error (unknown tool, bad arguments, ...)
     user_turns: int = 0  # replies of the interaction (INTERACTING), the one that ended it included
     generated_tokens: int = 0
     reasoning_tokens: int = 0  # generated tokens inside reasoning (``RolloutConfig.reasoning_parser``)

@@ -53,6 +53,8 @@ class RolloutSummary:
     turns: float = 0.0
     tool_calls: float = 0.0
     tool_errors: float = 0.0
+    malformed_call_share: float = 0.0
+    tool_error_share: float = 0.0
     user_turns: float | None = None  # per request with an interaction; None: no interaction
     split_sessions: int | None = None  # gateway sessions the agent's history rewrites split; None: none did
     error_rate: float = 0.0
@@ -99,6 +101,8 @@ def summarize(requests: list[AsyncRolloutRequest], wall_s: float, samples_per_pr
         turns=metrics["turns"],
         tool_calls=metrics["tool_calls"],
         tool_errors=metrics["tool_errors"],
+        malformed_call_share=metrics["malformed_call_share"],
+        tool_error_share=metrics["tool_error_share"],
         user_turns=metrics.get("user_turns"),
         split_sessions=metrics.get("split_sessions"),
         error_rate=metrics["error_rate"],

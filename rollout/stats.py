@@ -10,6 +10,16 @@ them across ranks) before the means are taken. Definitions:
 - **pass_at_n**: graded prompts with at least one right sample / graded prompts.
 - **user_turns**: the interaction's replies per request that had an interaction (for the answer
   checker, the attempts); only reported when some request had one.
+- **malformed_call_share**: the calls the tool-call parser could not read (``ToolCall.error``: invalid
+  JSON, no name, an unclosed ``<tool_call>``) / every call it returned, in every parsed assistant turn
+  (the last turn's, which no turn is left to run, included). A broken call counts even where the text
+  before it reads as an answer: the loop answers it with its error, so it is a call to the model. A
+  turn cut by its token budget is not parsed (``truncated_rate``), and text with no opening tag is an
+  answer, not a call. 0.0 when no call was written. Gateway sessions: the gateway answers the agent
+  with the calls it can read, so theirs are not counted.
+- **tool_error_share**: the calls run that were read but came back as an error (unknown tool, bad
+  arguments, a timeout, a tool that raised, beyond ``max_parallel_calls``) / the calls run; malformed
+  calls are not in it (``tool_errors`` counts both, and failed ``calc_reward`` calls). 0.0 with none run.
 - **staleness**: the policy version minus the weight version that produced each generated token
   (a split gateway session's segments included).
 - **consistency_failures**: requests whose re-rendered conversation differed from their tokens, in
@@ -74,6 +84,9 @@ class RolloutCounts:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    parsed_calls: int = 0
+    malformed_calls: int = 0
+    failed_calls: int = 0
     interactive: int = 0
     user_turns: int = 0
     errors: int = 0
@@ -108,6 +121,9 @@ class RolloutCounts:
             turns=sum(r.metrics.turns for r in requests),
             tool_calls=sum(r.metrics.tool_calls for r in requests),
             tool_errors=sum(r.metrics.tool_errors for r in requests),
+            parsed_calls=sum(r.metrics.parsed_calls for r in requests),
+            malformed_calls=sum(r.metrics.malformed_calls for r in requests),
+            failed_calls=sum(r.metrics.failed_calls for r in requests),
             interactive=sum(r.rewards.interaction is not None or r.metrics.user_turns > 0 for r in requests),
             user_turns=sum(r.metrics.user_turns for r in requests),
             errors=reasons.get("error", 0),
@@ -161,6 +177,8 @@ class RolloutCounts:
             "turns": self.turns / n,
             "tool_calls": self.tool_calls / n,
             "tool_errors": self.tool_errors / n,
+            "malformed_call_share": self.malformed_calls / self.parsed_calls if self.parsed_calls else 0.0,
+            "tool_error_share": self.failed_calls / self.tool_calls if self.tool_calls else 0.0,
             "error_rate": self.errors / n,
             "truncated_rate": self.truncated / n,
             "generated_tokens": self.generated_tokens,

@@ -54,6 +54,8 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
         "train/entropy",
         "train/grad_norm",
         "train/lr",
+        "correction/ratio_p50",
+        "correction/kl_k3",
         "time/rollout_s",
         "time/update_s",
         "time/sync_s",
@@ -65,7 +67,7 @@ def test_three_grpo_steps_update_the_policy_and_the_engine(tmp_path, tiny_model_
         "sync/servers_failed",
     ):
         assert key in history[-1]
-    families = ("rollout", "train", "sync", "time")
+    families = ("rollout", "train", "correction", "sync", "time")
     assert set(history[-1]) - {"step"} == {k for k in history[-1] if k.split("/")[0] in families}
     assert [m["sync/weight_version"] for m in history] == [1, 2, 3]
     assert all(m["train/tokens"] > 0 and m["train/grad_norm"] > 0 for m in history)

@@ -37,6 +37,8 @@ def test_two_process_update_equals_one_process_update(tmp_path, mode):
     assert two["metrics"]["train/grad_norm"] == pytest.approx(one["metrics"]["train/grad_norm"], rel=1e-4)
     assert one["metrics"]["rollout/trajectories"] == two["metrics"]["rollout/trajectories"] == 8
     assert (one["processes"], two["processes"]) == (1, 2)
+    for key in ("correction/ratio_p5", "correction/ratio_p50", "correction/ratio_p95", "correction/ratio_max"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-4), key  # gathered from both
     if mode == "auto":  # both probed (the two processes agreed on one budget, or the run would hang)
         assert one["metrics"]["train/micro_batch_tokens"] >= 256 and two["metrics"]["train/micro_batch_tokens"] >= 256
     scale = max(float(g.abs().max()) for g in one["grads"].values())

@@ -18,7 +18,9 @@ from rollout.config import GatewayConfig, JudgeConfig, PromptsConfig, RolloutCon
 from rollout.engines.config import EngineConfig, WeightSyncConfig
 from trainer.lora_config import LoRAConfig
 from trainer.preemption import signal_number
+from trainer.rollout_correction_config import Correction, RolloutCorrection
 from trainer.sft_config import SFTConfig
+from trainer.trackers import LogWith
 
 AdvantageMode = Literal["trajectory", "broadcast", "per_step"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -95,7 +97,9 @@ class GRPOConfig(PromptsConfig):
     tis_cap: float | None = 2.0
     """Truncated importance sampling (Yao et al. 2025): each token's loss is weighted by
     min(exp(trainer logprob - engine logprob), tis_cap), correcting the gap between the engine
-    that sampled and the trainer (kernels, top-k/top-p cuts, stale weights). None: off."""
+    that sampled and the trainer (kernels, top-k/top-p cuts, stale weights). None: off. The cap of
+    token-level weights wherever ``rollout_correction.weight_cap`` is unset (the default preset
+    ``token-tis`` is exactly this); the rest of the family: ``rollout_correction``."""
 
     # --- asynchronous RL ---
     async_rl: bool = False
@@ -109,7 +113,8 @@ class GRPOConfig(PromptsConfig):
     minus the version that sampled the token). Groups are admitted only while they can still be
     trained within it; a group that finishes too late is regenerated from its prompt (counted as
     ``rollout/dropped``). 0 is on-policy (rollout waits for each update). Stale tokens are kept
-    honest by ``tis_cap``: their loss is weighted by min(pi_trainer / pi_engine, cap)."""
+    honest by ``tis_cap``: their loss is weighted by min(pi_trainer / pi_engine, cap) (or by
+    another ``rollout_correction``)."""
 
     # --- optimisation ---
     lr: float = 2e-4
@@ -176,6 +181,10 @@ class GRPOConfig(PromptsConfig):
     checkpoint_on_signal: str | None = None
     """A signal that, like SIGTERM and SIGINT, stops the run at its next safe point with a checkpoint
     and exit 75 (``trainer/preemption.py``), e.g. SIGUSR1 with SLURM's ``--signal=B:USR1@120``."""
+    log_with: LogWith = "none"
+    """Also log each step's metrics to Accelerate's trackers: tensorboard, wandb (offline), trackio or
+    mlflow (a local file store), or a list of them; each writes under ``out`` and none reaches the
+    network (``trainer/trackers.py``; ``pip install 'rallyrl[trackers]'``). none: metrics.jsonl only."""
 
     # --- sections ---
     rollout: RolloutConfig = field(default_factory=lambda: _calc_rollout(max_concurrency=256))
@@ -190,6 +199,8 @@ class GRPOConfig(PromptsConfig):
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The agent gateway, in-process, when ``agent`` is set (the agent's calls are sampled with
     ``rollout``'s settings, so the trainer's logprobs match the engine's)."""
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """The correction of the engine/trainer gap: IS weights, masks, bypass, by preset (``token-tis``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -220,6 +231,7 @@ class GRPOConfig(PromptsConfig):
             raise ValueError(f"loss_constant must be > 0 (or null: the rollout's budget), got {self.loss_constant}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or null: off), got {self.tis_cap}")
+        self.rollout_correction.resolve(self.tis_cap)  # (a bad combination fails here, naming the field)
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.checkpoint_on_signal is not None:
@@ -228,6 +240,11 @@ class GRPOConfig(PromptsConfig):
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
+
+    @property
+    def correction(self) -> Correction:
+        """The rollout correction in force: ``rollout_correction`` resolved, ``tis_cap`` included."""
+        return self.rollout_correction.resolve(self.tis_cap)
 
     @property
     def generation_budget(self) -> float:

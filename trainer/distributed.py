@@ -12,10 +12,10 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 
-def make_accelerator() -> Accelerator:
+def make_accelerator(**options: Any) -> Accelerator:
     """The run's Accelerator: bf16 autocast over float32 weights on CUDA, float32 on the CPU (gloo
     ranks under ``accelerate launch``); the scheduler steps once per optimizer step, however many
-    processes.
+    processes. ``options``: more of Accelerator's arguments (the trackers: ``trainer/trackers.py``).
 
     ``accelerate launch --use_fsdp`` on a machine without CUDA: Accelerate 1.15 keeps FSDP to
     accelerators and would silently fall back to DDP, while torch's ``fully_shard`` runs on gloo;
@@ -23,7 +23,7 @@ def make_accelerator() -> Accelerator:
     """
     cuda = torch.cuda.is_available()
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no",
-                              step_scheduler_with_optimizer=False)  # fmt: skip
+                              step_scheduler_with_optimizer=False, **options)  # fmt: skip
     launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if launched_fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # (prepare reads this one)
@@ -39,6 +39,16 @@ def sum_across_processes(accelerator: Any, values: dict[str, float]) -> dict[str
     tensor = torch.tensor([float(values[k]) for k in keys], device=accelerator.device)
     summed = accelerator.reduce(tensor, reduction="sum")
     return {k: float(v) for k, v in zip(keys, summed.tolist(), strict=True)}
+
+
+def gather_rows(accelerator: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The ``[n, k]`` float rows of every process, concatenated (padded with NaN rows in transit: a
+    row's first value must not be NaN)."""
+    if accelerator.num_processes == 1:
+        return rows
+    padded = accelerator.pad_across_processes(rows.to(accelerator.device), dim=0, pad_index=float("nan"))
+    gathered = accelerator.gather(padded).cpu()
+    return gathered[~gathered[:, 0].isnan()]
 
 
 def max_across_processes(accelerator: Any, value: int) -> int:

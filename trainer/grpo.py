@@ -50,6 +50,7 @@ from rollout.tokens import load_tokenizer
 from trainer.async_rl import MeteredEngine, PromptLedger
 from trainer.batch import Sample
 from trainer.checkpoints import complete_checkpoints
+from trainer.collapse import CollapseWatch
 from trainer.colocation import Colocation, plan_colocation, prepare_sglang, wants_sglang_colocation
 from trainer.config import GRPOConfig
 from trainer.distributed import make_accelerator, max_across_processes, sum_across_processes
@@ -61,6 +62,7 @@ from trainer.policy_model import compute_dtype, load_lm
 from trainer.preemption import Abandoned, Preempted, Preemption
 from trainer.prompt_stream import PromptStream
 from trainer.run_files import RunFiles, TrainerState
+from trainer.trackers import accelerator_options, log_to_trackers, run_trackers
 from trainer.weight_check import logprob_gap
 from trainer.weight_files import save_adapter_version
 from trainer.weight_source import PolicyWeights
@@ -82,7 +84,7 @@ class GRPOTrainer(RunFiles):
             load_agent(config.agent)  # a bad entry point fails before the model loads
         self.console = console or Console(stderr=True, soft_wrap=True)
         set_threads(config.threads)
-        self.accelerator = make_accelerator()  # DDP or FSDP under `accelerate launch`
+        self.accelerator = make_accelerator(**accelerator_options(config.log_with, config.out))  # (DDP/FSDP: launch)
         set_seed(config.seed, device_specific=True)
         self.out = Path(config.out)
         self.model_dir = resolve_model(config.model)
@@ -93,7 +95,9 @@ class GRPOTrainer(RunFiles):
                              reference)  # fmt: skip
         self.model, self.optimizer, self.scheduler = self.policy.model, self.policy.optimizer, self.policy.scheduler
         self.policy.say = self.say
-        self.tools, self.chat = setup_tools(config.tools, self.tokenizer, config.task)
+        self.tools, self.chat = setup_tools(
+            config.tools, self.tokenizer, config.task, config.rollout.content_special_tokens
+        )
         self.interactions = setup_interactions(config.interactions, config.task)
         self.judge = make_judge(config.judge) if reward_fn is None else None
         self.reward_fn = reward_fn or make_reward(config.reward, self.judge)
@@ -110,6 +114,7 @@ class GRPOTrainer(RunFiles):
         self.colocation: Colocation | None = None  # an in-process engine on the trainer's device: released per update
         self.preemption = Preemption(self.accelerator, config.checkpoint_on_signal, lambda: self.state.step)
         self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
+        self.watch = CollapseWatch()  # the collapse warning, once a run (trainer/collapse.py)
 
     @property
     def is_main(self) -> bool:
@@ -205,8 +210,8 @@ class GRPOTrainer(RunFiles):
 
     def step_metrics(self, rollout: dict[str, Any], group_stats: dict[str, float], update: dict[str, float],
                      timer: PhaseTimer) -> dict[str, Any]:  # fmt: skip
-        """The step's metrics: ``rollout/``, ``train/`` and ``time/`` (wall of the step, the run's
-        clock, and the shares of it the engine and the trainer sat idle)."""
+        """The step's metrics: ``rollout/``, ``train/``, ``correction/`` (the rollout correction's) and
+        ``time/`` (wall of the step, the run's clock, and the shares of it the engine and the trainer sat idle)."""
         now, engine_idle = time.monotonic(), self.metered_idle()
         wall = now - self._step_began  # since the last step ended: its checkpoint save included
         self.state.elapsed_s += wall
@@ -225,7 +230,7 @@ class GRPOTrainer(RunFiles):
         return {
             "step": self.state.step,
             **{f"rollout/{k}": v for k, v in {**rollout, **group_stats}.items()},
-            **{f"train/{k}": v for k, v in update.items()},
+            **{k if k.startswith("correction/") else f"train/{k}": v for k, v in update.items()},
             **{f"sync/{k}": v for k, v in self.last_sync.items()},
             **{f"colocate/{k}": v for k, v in (self.colocation.metrics() if self.colocation else {}).items()},
             **{f"time/{k}": v for k, v in times.items()},
@@ -312,8 +317,10 @@ class GRPOTrainer(RunFiles):
             self.saved_step = self.state.step if complete_checkpoints(self.out / "checkpoints") else None
         elif self.is_main and (self.out / "metrics.jsonl").exists():
             (self.out / "metrics.jsonl").unlink()
+        self.watch.replay(history)
         async with contextlib.AsyncExitStack() as stack:
             stack.enter_context(self.preemption)  # SIGTERM, SIGINT, checkpoint_on_signal: stop at a safe point
+            stack.enter_context(run_trackers(self.accelerator, self.out, config.to_dict(), self.say))  # log_with
             if self.judge is not None:
                 await stack.enter_async_context(self.judge)
             await enter_interactions(stack, self.interactions)
@@ -364,9 +371,13 @@ class GRPOTrainer(RunFiles):
         self.saved_step = self.state.step
 
     def log(self, metrics: dict[str, Any]) -> None:
+        warning = self.watch.observe(metrics)  # train/grad_norm_ratio and train/collapse_warning added
         if self.is_main:
             append_metrics(self.out / "metrics.jsonl", metrics)
             self.console.print(console_line(metrics), highlight=False)
+            if warning:
+                self.console.print(warning, style="bold yellow", highlight=False)
+        log_to_trackers(self.accelerator, metrics)
 
 
 def train(config: GRPOConfig, resume: bool = False) -> list[dict[str, Any]]:

@@ -59,6 +59,7 @@ CONSOLE_FIELDS = (
     ("rollout/response_length", "  len {:.0f}"),
     ("rollout/turns", "  turns {:.2f}"),
     ("rollout/tool_calls", "  tools {:.2f}"),
+    ("rollout/malformed_call_share", " malformed {:.2f}"),
     ("rollout/user_turns", "  user {:.2f}"),
     ("train/kl", "  kl {:.4f}"),
     ("train/clip_fraction", "  clip {:.3f}"),
@@ -96,23 +97,37 @@ USER_TURNS_CURVE = ("rollout/user_turns", "rollout/user_turns (per request: atte
 def plot_curves(history: list[dict[str, Any]], path: Path) -> None:
     """Reward, accuracy, tool calls and entropy per step (and user turns, with an interaction),
     one PNG (written atomically)."""
+    curves = [*CURVES, USER_TURNS_CURVE] if any(USER_TURNS_CURVE[0] in m for m in history) else list(CURVES)
+    plot_panels(history, [(title, [key]) for key, title in curves], path, columns=len(curves), mean_of=5)
+
+
+def plot_panels(history: list[dict[str, Any]], panels: list[tuple[str, list[str]]], path: Path, columns: int = 3,
+                mean_of: int = 0, mark_step: int | None = None) -> None:  # fmt: skip
+    """One PNG (written atomically) of ``panels``: each a title and the metric keys drawn on it per step,
+    with their ``mean_of``-step running mean (0: none) and a dashed line at ``mark_step``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [m["step"] for m in history]
-    curves = [*CURVES, USER_TURNS_CURVE] if any(USER_TURNS_CURVE[0] in m for m in history) else list(CURVES)
-    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6))
-    for axis, (key, title) in zip(axes, curves, strict=True):
-        values = np.array([_value(m, key) for m in history], dtype=float)
-        axis.plot(steps, values, marker="o", markersize=3, label="per step")
-        if len(values) >= 5:
-            axis.plot(steps[4:], np.convolve(values, np.ones(5) / 5, mode="valid"), label="5-step mean")
-        axis.set_xlabel("GRPO step")
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.6 * rows), squeeze=False)
+    for axis, (title, keys) in zip(axes.flat, panels, strict=False):
+        for key in keys:
+            values = np.array([_value(m, key) for m in history], dtype=float)
+            axis.plot(steps, values, marker="o", markersize=3, label=key if len(keys) > 1 else "per step")
+            if mean_of and len(values) >= mean_of:
+                mean = np.convolve(values, np.ones(mean_of) / mean_of, mode="valid")
+                axis.plot(steps[mean_of - 1 :], mean, label=f"{mean_of}-step mean")
+        if mark_step is not None:
+            axis.axvline(mark_step, color="red", linestyle="--", linewidth=1, label="collapse warning")
+        axis.set_xlabel("step")
         axis.set_title(title)
         axis.grid(alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize=7)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
     fig.tight_layout()
     atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)

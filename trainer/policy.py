@@ -30,13 +30,14 @@ from trainer.batch import Sample, TrainBatch, collate, micro_batches
 from trainer.config import GRPOConfig
 from trainer.distributed import (
     full_state_dict,
+    gather_rows,
     is_fsdp,
     max_across_processes,
     shard_like_policy,
     sum_across_processes,
 )
 from trainer.lora import apply_lora, merged_state_dict, save_adapter
-from trainer.losses import policy_loss, truncated_is_weights
+from trainer.losses import policy_loss
 from trainer.memory_budget import (
     FIXED_TOKENS,
     Budget,
@@ -47,6 +48,7 @@ from trainer.memory_budget import (
     rounded_length,
 )
 from trainer.policy_model import PolicyModel, enable_checkpointing, wants_checkpointing, wants_packing
+from trainer.rollout_correction import CorrectionStats, correct
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +142,16 @@ class Policy:
         return batch.unflatten(logprobs), None if entropy is None else batch.unflatten(entropy)
 
     def micro_batch_loss(self, batch: TrainBatch, old: torch.Tensor | None, normaliser: float) -> dict[str, Any]:
-        """The GRPO loss of one micro-batch, scaled to its share of the step's global loss."""
-        config = self.config
-        mask = batch.loss_mask[:, 1:]
+        """The GRPO loss of one micro-batch, scaled to its share of the step's global loss, with its
+        rollout correction (``correction``: for the step's ``correction/`` metrics). ``old``: the
+        trainer's logprobs before the step (None: this pass's, as at the first pass)."""
+        config, correction = self.config, self.config.correction
+        mask, engine = batch.loss_mask[:, 1:], batch.engine_logprobs[:, 1:]
         logprobs, entropy = self.logprobs(batch, with_entropy=True)
-        old_logprobs = logprobs.detach() if old is None else old
+        trainer_old = logprobs.detach() if old is None else old  # (bypass: this pass's, the first pass's old)
+        # PPO's old policy: the trainer's (decoupled), the engine's (bypass), this pass's (bypass-pg: ratio 1)
+        old_logprobs = {"decoupled": trainer_old, "bypass": engine, "bypass-pg": logprobs.detach()}[correction.mode]
+        corrected = correct(trainer_old, engine, mask, correction)
         reference = None
         if self.reference is not None:
             with torch.no_grad():
@@ -152,14 +159,12 @@ class Policy:
         elif self.peft is not None and config.kl_beta > 0:  # the base model: the same weights, adapter off
             with torch.no_grad(), self.peft.disable_adapter():
                 reference = self.logprobs(batch, model=self.accelerator.unwrap_model(self.model))[0]
-        is_weights = None
-        if config.tis_cap is not None:
-            is_weights = truncated_is_weights(old_logprobs, batch.engine_logprobs[:, 1:], config.tis_cap) * mask
         drgrpo = config.loss_aggregation == "seq-mean-token-sum-norm"
         out = policy_loss(
             logprobs, old_logprobs, batch.advantages, mask, eps_low=config.eps_low, eps_high=config.eps_high,
             aggregation=config.loss_aggregation, agg_constant=1.0 if drgrpo else None, ref_logprobs=reference,
-            kl_beta=config.kl_beta, kl_estimator=config.kl_estimator, is_weights=is_weights, entropy=entropy,
+            kl_beta=config.kl_beta, kl_estimator=config.kl_estimator, is_weights=corrected.loss_weights,
+            entropy=entropy,
         )  # fmt: skip
         # the micro-batch's aggregate times its own count is its un-normalised share; divided by
         # the global count it becomes its share of the global loss. DDP and FSDP average gradients
@@ -179,6 +184,7 @@ class Policy:
             "clip_fraction": out.clip_fraction,
             "entropy": out.entropy or 0.0,
             "approx_kl": out.approx_kl,
+            "correction": corrected,
         }
 
     # ----- the update ---------------------------------------------------------------------------
@@ -294,21 +300,24 @@ class Policy:
         local = {"tokens": local_tokens, "seqs": local_seqs, "rows": sum(len(b) for b in batches)}
         counts = sum_across_processes(accelerator, local)
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "approx_kl": 0.0}
+        weighted = config.correction.weights != "none"
+        corrections = CorrectionStats()
         if counts["tokens"] == 0:  # every group filtered out everywhere: no signal, so no optimizer step
             self.model.eval()
-            return {**totals, "grad_norm": 0.0, "tokens": 0.0, "sequences": 0, "skipped_update": 1}
+            return {**totals, "grad_norm": 0.0, "tokens": 0.0, "sequences": 0, "skipped_update": 1,
+                    **corrections.metrics(weighted)}  # fmt: skip
         normaliser = {  # the global denominator of each aggregation
             "token-mean": max(counts["tokens"], 1.0),
             "seq-mean-token-mean": max(counts["seqs"], 1.0),
             "seq-mean-token-sum-norm": max(counts["rows"], 1.0) * config.generation_budget,  # Dr. GRPO
         }[config.loss_aggregation]
         old = None
-        if config.ppo_epochs > 1:  # the policy before this step's updates
+        if config.ppo_epochs > 1 and config.correction.mode == "decoupled":  # the policy before the step's updates
             with torch.no_grad():
                 old = [self.logprobs(b)[0] for b in batches]
 
         grad_norms = []
-        for _ in range(config.ppo_epochs):
+        for epoch in range(config.ppo_epochs):
             for i, batch in enumerate(batches or [None]):
                 last = i == max(len(batches), 1) - 1
                 with self.gradient_sync(last):
@@ -320,6 +329,8 @@ class Policy:
                         continue
                     out = self.micro_batch_loss(batch, None if old is None else old[i], normaliser)
                     accelerator.backward(out.pop("scaled_loss"))
+                if epoch == 0:  # the correction's metrics: of the step's data, as the first pass sees it
+                    corrections.add(out["correction"])
                 # the losses: each micro-batch's share of the global aggregate (their sum is the
                 # step's loss, however samples are grouped); the rest: means over trained tokens
                 weight = float(batch.loss_mask[:, 1:].sum())
@@ -340,7 +351,9 @@ class Policy:
         metrics["tokens"] = counts["tokens"] * config.ppo_epochs
         metrics["sequences"] = counts["seqs"]
         metrics["skipped_update"] = 0
-        return metrics
+        correction = corrections.metrics(weighted, lambda rows: gather_rows(accelerator, rows),
+                                         lambda counts: sum_across_processes(accelerator, counts))  # fmt: skip
+        return {**metrics, **correction}
 
     def gradient_sync(self, last: bool) -> Any:
         """Gradients are reduced across processes on a step's last micro-batch only (DDP's

@@ -13,6 +13,7 @@ directories (``trainer/checkpoints.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import asdict
@@ -45,6 +46,7 @@ from trainer.config import SFTConfig
 from trainer.lora import apply_lora
 from trainer.policy_model import PolicyModel, enable_checkpointing, wants_checkpointing
 from trainer.sft_data import Batch, Example, batches, calc_chat, collate, load_examples, tokenize_conversation
+from trainer.trackers import accelerator_options, log_to_trackers, run_trackers
 
 __all__ = ["RECIPES", "Batch", "Example", "SFTConfig", "calc_chat", "collate", "load_examples", "run_recipe", "run_sft",
            "sft_loss", "tokenize_conversation"]  # fmt: skip
@@ -161,7 +163,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     started = time.monotonic()
     set_threads(config.threads)
     torch.manual_seed(config.seed)
-    accelerator = Accelerator(cpu=config.device == "cpu")
+    accelerator = Accelerator(cpu=config.device == "cpu", **accelerator_options(config.log_with, config.out))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -201,7 +203,9 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
     recent: list[float] = []
     progress = _progress_bar(console) if config.progress else None
     task = progress.add_task("sft", total=config.steps, loss=math.nan, accuracy="-") if progress else None
+    tracking = contextlib.ExitStack()  # log_with: train/ and eval/ entries to Accelerate's trackers
     try:
+        tracking.enter_context(run_trackers(accelerator, out, asdict(config), console.print))
         if progress is not None:
             progress.start()
         for step in range(1, config.steps + 1):
@@ -229,6 +233,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
                 }
                 recent = []
                 log.write(orjson.dumps(entry) + b"\n")
+                log_to_trackers(accelerator, _family(entry, "train"))
                 if progress is not None:
                     progress.update(task, loss=entry["loss"])
                 console.print(
@@ -264,6 +269,7 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
                 entry["elapsed_s"] = round(time.monotonic() - started, 1)
                 history.append(entry)
                 log.write(orjson.dumps(entry) + b"\n")
+                log_to_trackers(accelerator, _family(entry, "eval"))
                 if config.stop_accuracy is not None and entry["accuracy"] >= config.stop_accuracy:
                     console.print(f"step {step:>5}  held-out accuracy reached {config.stop_accuracy:.0%}: stopping")
                     break
@@ -273,11 +279,17 @@ def run_sft(config: SFTConfig, console: Console | None = None) -> list[dict[str,
         if progress is not None:
             progress.stop()
         log.close()
+        tracking.close()
     if config.export and history:
         last = history[-1]["checkpoint"]
         exported = pad_model_dir(merged_model_dir(last) if peft else last, config.export, config.export_head_dim)
         console.print(f"exported {history[-1]['checkpoint']} to {exported}")
     return history
+
+
+def _family(entry: dict[str, Any], family: str) -> dict[str, Any]:
+    """A log entry's values as ``family/...`` metrics at its step (for the trackers)."""
+    return {"step": entry["step"], **{f"{family}/{k}": v for k, v in entry.items() if k not in ("kind", "step")}}
 
 
 def run_recipe(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rollout.config import CommonConfig
 from trainer.lora_config import LoRAConfig
+from trainer.trackers import LogWith
 
 
 @dataclass
@@ -62,6 +63,9 @@ class SFTConfig(CommonConfig):
     """Stop at the first evaluation whose held-out accuracy reaches this (None: run every step)."""
     out: str = "runs/sft"
     """Output directory: ``step-N/`` checkpoints and ``sft_log.jsonl``."""
+    log_with: LogWith = "none"
+    """Also log the training loss and each evaluation to Accelerate's trackers under ``out``, offline (as
+    ``rallyrl train``'s ``log_with``: tensorboard, wandb, trackio, mlflow or a list); none: sft_log.jsonl only."""
     export: str | None = None
     """Also copy the last checkpoint here (``data/assets/tiny-calc`` rebuilds the embedded model)."""
     export_head_dim: int = 32
