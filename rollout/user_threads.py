@@ -100,9 +100,10 @@ class UserCall:
         if timeout_s is None:
             try:
                 await asyncio.shield(self._waiter)
-            except BaseException:
-                if self._abandon():
-                    raise
+            except BaseException:  # cancelled: stuck, or (it returned meanwhile) its place given back
+                if not self._abandon():
+                    self.pool._leave(self._slot, stuck=False)
+                raise
             return self._returned()
         self.deadline = started + timeout_s
         while True:
@@ -117,10 +118,10 @@ class UserCall:
                 if self._abandon():
                     raise
                 break
-            except BaseException:
-                if self._abandon():
-                    raise
-                break
+            except BaseException:  # cancelled: as above
+                if not self._abandon():
+                    self.pool._leave(self._slot, stuck=False)
+                raise
         return self._returned()
 
     def _returned(self) -> Any:
