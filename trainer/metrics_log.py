@@ -2,8 +2,10 @@
 line, and the curves PNG. Shared by GRPO and SFT.
 
 Metric names carry their family: ``rollout/`` (what the rollouts did: reward, accuracy, lengths,
-tool calls, staleness), ``train/`` (the update: loss, KL, clipping, entropy, gradient norm, lr)
-and ``time/`` (wall and CPU seconds per phase, throughput); ``step`` stands alone.
+tool calls and their malformed and failed shares, staleness), ``train/`` (the update: loss, KL, clipping,
+entropy, gradient norm and its ratio to the recent median, lr, the collapse warning), ``correction/``
+(the rollout correction: the ratio pi_trainer / pi_engine, what it masked, KL(engine || trainer)) and
+``time/`` (wall and CPU seconds per phase, throughput); ``step`` stands alone.
 """
 
 from __future__ import annotations
