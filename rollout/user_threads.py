@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import queue
 import threading
 import time
@@ -239,6 +240,44 @@ class UserThreads:
             idle, self._idle = self._idle, 0
         for _ in range(idle):
             self._calls.put(None)
+
+
+def counted(fn: Callable[[], Any], count: Callable[[], None]) -> Callable[[], Any]:
+    """``fn`` (sync or async, no arguments) with ``count()`` called once it has run: returned or raised,
+    not when cancelled. How a close is counted where it actually ran."""
+    if inspect.iscoroutinefunction(fn):
+
+        async def counting() -> Any:
+            try:
+                result = await fn()
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                count()
+                raise
+            count()
+            return result
+
+        return counting
+
+    def counting_sync() -> Any:
+        try:
+            return fn()
+        finally:
+            count()
+
+    return counting_sync
+
+
+def run_here(fn: Callable[[], Any]) -> Any:
+    """``fn()`` to its end on this thread, where no event loop runs (a late close on a call's thread): a
+    coroutine it gives is run here with ``asyncio.run``."""
+    result = fn()
+    return asyncio.run(_awaiting(result)) if inspect.isawaitable(result) else result
+
+
+async def _awaiting(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _named() -> str:

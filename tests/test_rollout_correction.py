@@ -11,6 +11,7 @@ import orjson
 import pytest
 import torch
 
+from benchmarks.rollout_correction import count_passes
 from tests.conftest import run_cli
 from tests.test_grpo import config as small_run
 from tests.test_grpo import digit_share
@@ -217,26 +218,13 @@ def test_bad_combinations_are_value_errors_naming_the_field():
 # ----- in the update -----------------------------------------------------------------------------
 
 
-def count_policy_passes(trainer: GRPOTrainer) -> list[int]:
-    """A list that grows by one at each logprob pass of the policy over a micro-batch."""
-    passes: list[int] = []
-    logprobs = trainer.policy.logprobs
-
-    def counted(batch, model=None, with_entropy=False):
-        passes.extend([1] if model is None else [])
-        return logprobs(batch, model, with_entropy)
-
-    trainer.policy.logprobs = counted
-    return passes
-
-
 @pytest.mark.parametrize(("preset", "passes"), [("token-tis", 3), ("bypass", 2), ("bypass-pg", 2)])
 def test_bypass_skips_the_old_logprob_pass(tmp_path, tiny_model_dir, preset, passes):
     config = grpo_config(tmp_path, tiny_model_dir, ppo_epochs=2, rollout_correction=RolloutCorrection(preset=preset))
     trainer = make_trainer(config)
     samples = make_samples()
     batches = len(trainer.policy.batches(samples))
-    counted = count_policy_passes(trainer)
+    counted = count_passes(trainer)
     metrics = trainer.update(samples)
     assert len(counted) == passes * batches  # decoupled: the pass before the step, then one per epoch
     assert metrics["correction/ratio_p50"] > 0 and metrics["grad_norm"] > 0

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.user_threads import UserCall, UserThreads
+from rollout.user_threads import UserCall, UserThreads, counted, run_here
 from tools.base import BaseTool, ToolError, ToolResponse
 from tools.function_tool import derive_schema
 from tools.loading import ToolConfigError, import_class
@@ -155,37 +155,13 @@ class EnvironmentClass:
         if not callable(close):
             self._count_closed()
             return
-        if live.pending is not None and live.pending.after(lambda: self._close_here(close)):
+        closing = counted(close, self._count_closed)
+        if live.pending is not None and live.pending.after(lambda: run_here(closing)):
             return
-        if inspect.iscoroutinefunction(close):
-            try:
-                await close()
-            except asyncio.CancelledError:
-                raise
-            except BaseException:
-                self._count_closed()
-                raise
-            self._count_closed()
-            return
-        await self.call(live, self._counted(close), {}, "close")
-
-    def _counted(self, close: Any) -> Any:
-        def closing() -> Any:
-            try:
-                return close()
-            finally:
-                self._count_closed()
-
-        return closing
-
-    def _close_here(self, close: Any) -> None:
-        """Close on this (worker) thread, where no event loop runs: an async close is run to its end here."""
-        try:
-            result = close()
-            if inspect.isawaitable(result):
-                asyncio.run(_awaiting(result))
-        finally:
-            self._count_closed()
+        if inspect.iscoroutinefunction(closing):
+            await closing()
+        else:
+            await self.call(live, closing, {}, "close")
 
     def _count_closed(self) -> None:
         with _COUNTING:
@@ -195,10 +171,6 @@ class EnvironmentClass:
         if self._pool is None:
             self._pool = UserThreads(f"env-{self.cls.__name__}", self.threads)
         return self._pool
-
-
-async def _awaiting(awaitable: Any) -> Any:
-    return await awaitable
 
 
 class EnvironmentMethodTool(BaseTool):

@@ -45,7 +45,7 @@ import orjson
 from rollout.envs.bindings import binding_class
 from rollout.envs.step import EnvError, as_step, first_messages
 from rollout.user_coroutines import BlockedLoop, run_user, stall_note, stalled
-from rollout.user_threads import DEFAULT_MAX_STUCK, StuckCallsError, UserCall, UserThreads
+from rollout.user_threads import DEFAULT_MAX_STUCK, StuckCallsError, UserCall, UserThreads, counted, run_here
 from rollout.users.interactions import BaseInteraction, last_assistant_text
 
 if TYPE_CHECKING:
@@ -282,43 +282,10 @@ class EnvironmentInteraction(BaseInteraction):
         if not callable(close):
             self.stats.count("closed")
             return
-        if episode.pending is not None and episode.pending.after(lambda: self._close_here(close)):
+        closing = counted(close, lambda: self.stats.count("closed"))
+        if episode.pending is not None and episode.pending.after(lambda: run_here(closing)):
             return
-        await self._call(episode, self._counted(close), _what="close", _timeout=self.reset_timeout_s)
-
-    def _counted(self, close: Any) -> Any:
-        """``close``, counted in ``stats.closed`` once it has run (returned or raised; not when cancelled)."""
-        if inspect.iscoroutinefunction(close):
-
-            async def closing() -> Any:
-                try:
-                    result = await close()
-                except asyncio.CancelledError:
-                    raise
-                except BaseException:
-                    self.stats.count("closed")
-                    raise
-                self.stats.count("closed")
-                return result
-
-            return closing
-
-        def closing_sync() -> Any:
-            try:
-                return close()
-            finally:
-                self.stats.count("closed")
-
-        return closing_sync
-
-    def _close_here(self, close: Any) -> None:
-        """Close on this (worker) thread, where no event loop runs: a coroutine is run to its end here."""
-        try:
-            result = close()
-            if inspect.isawaitable(result):
-                asyncio.run(_awaiting(result))
-        finally:
-            self.stats.count("closed")
+        await self._call(episode, closing, _what="close", _timeout=self.reset_timeout_s)
 
     def _close_late(self, call: UserCall) -> None:
         """On the thread of a make that outlived its deadline or its request: close what it made."""
@@ -328,7 +295,7 @@ class EnvironmentInteraction(BaseInteraction):
         self.stats.count("opened")
         close = getattr(made, "close", None)
         if callable(close):
-            self._close_here(close)
+            run_here(counted(close, lambda: self.stats.count("closed")))
         else:
             self.stats.count("closed")
 
@@ -340,7 +307,3 @@ class EnvironmentInteraction(BaseInteraction):
 
 def _stalled_since(since: float) -> float:
     return stalled(since, time.monotonic())[0]
-
-
-async def _awaiting(awaitable: Any) -> Any:
-    return await awaitable
