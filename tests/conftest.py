@@ -23,6 +23,10 @@ from tools.base import BaseTool, ToolError, ToolResponse, function_schema
 
 torch.set_num_threads(2)
 
+PROMPTLY_S = 30.0
+"""The bound of a test that checks a kill or a refusal came at once, not at a later deadline: its
+cause is checked from the answer's text, and wall time here is the machine's (another suite beside
+this one turned 1 s into 5), so the bound only catches a kill that hung."""
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 

@@ -123,3 +123,44 @@ def test_the_gradient_norm_ratio_is_over_the_median_of_the_steps_that_updated():
     assert math.isnan(grad_norm_ratio(before, None))  # a step that did not update
     many = [{"train/grad_norm": 1.0}] * 10 + [{"train/grad_norm": 9.0}] * 3
     assert grad_norm_ratio(many, 9.0, window=10) == 9.0  # only the last 10: seven 1.0s, three 9.0s
+
+
+REPRODUCED = [  # `rallyrl train --lr 2e-3 --set tis_cap=null --set warmup_steps=0 --seed 1`, its first six steps
+    (0.0189, 0.2596, 0.1672, 0.2889),
+    (0.4288, 0.1576, 0.0586, 0.4023),
+    (0.1845, 0.2907, 0.0469, 0.3484),
+    (0.3615, 0.0820, 0.0945, 0.4327),
+    (0.4489, 0.0215, 0.0852, 0.8854),
+    (0.6080, 0.0078, 0.1117, 0.5575),
+]
+
+
+def test_a_format_that_breaks_from_the_first_update_is_named_though_it_rose_within_the_early_steps():
+    history = [
+        {"step": i + 1, "rollout/malformed_call_share": malformed, "rollout/accuracy": accuracy,
+         "train/entropy": entropy, "train/grad_norm": norm}
+        for i, (malformed, accuracy, entropy, norm) in enumerate(REPRODUCED)
+    ]  # fmt: skip
+    found = first_collapse(history)
+    assert found is not None and found.step == 5 and found.cause == "format"
+    assert "malformed tool calls 2% -> 45%" in found.message and "warmup_steps" in found.message
+
+
+def reasoning_gym_history(pairs: list[tuple[float, float]]) -> list[dict]:
+    return [{"step": i + 1, "rollout/malformed_call_share": m, "rollout/accuracy": a} for i, (m, a) in enumerate(pairs)]
+
+
+def test_a_share_is_measured_against_the_start_models_own():
+    """Two reasoning-gym runs at twice the default rate (docs/training.md, "Seeds"): seed 1's format breaks
+    (8 % -> 28 %, accuracy 0.36 -> 0.12); seed 2 starts at 11 % and wanders to 23 % while its accuracy climbs."""
+    broke = reasoning_gym_history([
+        (0.077, 0.064), (0.119, 0.113), (0.062, 0.133), (0.11, 0.203), (0.158, 0.215),
+        (0.215, 0.355), (0.116, 0.277), (0.266, 0.236), (0.278, 0.115), (0.257, 0.232),
+    ])  # fmt: skip
+    found = first_collapse(broke)
+    assert found is not None and found.step == 9 and found.cause == "format"
+    held = reasoning_gym_history([
+        (0.11, 0.104), (0.104, 0.109), (0.018, 0.227), (0.105, 0.207), (0.098, 0.232), (0.13, 0.258),
+        (0.127, 0.214), (0.178, 0.208), (0.171, 0.215), (0.232, 0.229), (0.214, 0.266), (0.188, 0.254),
+    ])  # fmt: skip
+    assert first_collapse(held) is None

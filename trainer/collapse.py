@@ -6,8 +6,11 @@ on it and on the step before (``patience``: 2 steps in a row, after the early st
 order, the first that holds naming the cause:
 
 1. **tool-call format breaking**: ``rollout/malformed_call_share`` at least 0.20 and at least 3x its
-   early level (the run that prompted this: 5 % -> 42 % in 5 updates at lr 5e-4, KL off);
-2. **tool calls failing**: ``rollout/tool_error_share`` at least 0.20 and at least 3x its early level;
+   level at the first step, the start model's own (not the early median: a format that breaks from
+   the first update on rises within the early steps; the run that prompted this: 5 % -> 42 % in 5
+   updates at lr 5e-4, KL off; reproduced at lr 2e-3 without warmup: 2 % -> 43 % in one update);
+2. **tool calls failing**: ``rollout/tool_error_share`` at least 0.20 and at least 3x its level at the
+   first step;
 3. **entropy collapse**: ``train/entropy`` under 0.1x its early level;
 4. **gradient spikes**: ``train/grad_norm_ratio`` (the step's gradient norm over the median of the
    previous 10 steps') at least 5;
@@ -68,8 +71,9 @@ class Collapse:
 TITLES = {"format": "tool-call format breaking", "tool_errors": "tool calls failing", "entropy": "entropy collapse",
           "grad_spikes": "gradient spikes", "reward": "reward collapse"}  # fmt: skip
 HINTS = {
-    "format": "the updates are pulling the policy off its tool-call format: lower lr, add a KL term to the "
-    "initial policy (kl_beta > 0), fewer ppo_epochs, or resume from a checkpoint from before it began",
+    "format": "the updates are pulling the policy off its tool-call format: lower lr, warm it up over more "
+    "steps (warmup_steps), add a KL term to the initial policy (kl_beta > 0), fewer ppo_epochs, or resume from a "
+    "checkpoint from before it began",
     "tool_errors": "the calls are read but fail: see the tool messages of the last rollouts (rallyrl show) and "
     "the tool's schema; lower lr if the calls worked at the start",
     "entropy": "the policy is collapsing onto a few tokens: raise eps_high (clip-higher), lower lr, add kl_beta, "
@@ -112,7 +116,7 @@ def _early(values: list[float | None], steps: int) -> float | None:
 
 def _share(history: list[dict[str, Any]], key: str, what: str, rules: CollapseRules) -> str | None:
     values = _series(history, key)
-    early = _early(values, rules.early_steps)
+    early = next((v for v in values if v is not None), None)  # the start model's own share (see the docstring)
     bound = None if early is None else max(rules.share_floor, rules.share_factor * early)
     window = values[-rules.patience :]
     if bound is None or not all(v is not None and v >= bound for v in window):

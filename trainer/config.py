@@ -121,8 +121,11 @@ class GRPOConfig(PromptsConfig):
     """AdamW learning rate (constant after ``warmup_steps``)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 0
-    """Linear warmup steps."""
+    warmup_steps: int = 5
+    """Updates over which the learning rate rises linearly to ``lr`` (update s runs at lr x (s + 1) /
+    (warmup_steps + 1)). AdamW's first updates move every weight by about ``lr`` whatever its gradient;
+    without a warmup they can break a small model's tool-call format (docs/training.md, "Why a run
+    collapses"). 0: ``lr`` from the first update."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     ppo_epochs: int = 1

@@ -217,7 +217,7 @@ class GRPOTrainer(RunFiles):
         self.state.elapsed_s += wall
         idle = engine_idle - self._engine_idle_began
         self._step_began, self._engine_idle_began = now, engine_idle
-        update["lr"] = self.scheduler.get_last_lr()[0]
+        update.setdefault("lr", self.scheduler.get_last_lr()[0])  # (a step that updated nothing: the rate to come)
         times = timer.seconds()
         rollout_s = times.get("rollout_s", wall)
         times["rollout_tokens_per_s"] = rollout["generated_tokens"] / rollout_s if rollout_s else 0.0

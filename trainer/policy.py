@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, get_constant_schedule_with_warmup
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from data.config_tree import ConfigError
 from trainer.batch import Sample, TrainBatch, collate, micro_batches
@@ -83,7 +83,7 @@ class Policy:
         model = PolicyModel(lm)
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # (LoRA: the adapter)
         optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-        scheduler = get_constant_schedule_with_warmup(optimizer, config.warmup_steps)
+        scheduler = warmup_schedule(optimizer, config.warmup_steps)
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
         self.reference = None
         if reference is not None:
@@ -316,7 +316,7 @@ class Policy:
             with torch.no_grad():
                 old = [self.logprobs(b)[0] for b in batches]
 
-        grad_norms = []
+        grad_norms, lrs = [], []
         for epoch in range(config.ppo_epochs):
             for i, batch in enumerate(batches or [None]):
                 last = i == max(len(batches), 1) - 1
@@ -338,6 +338,7 @@ class Policy:
                     totals[key] += out[key] * (out["share"] if key in ("loss", "pg_loss") else weight)
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             grad_norms.append(float(grad_norm))
+            lrs.append(self.optimizer.param_groups[0]["lr"])  # (the rate this pass ran at, before the schedule moves)
             self.optimizer.step()
             self.stepped = True
             self.scheduler.step()
@@ -348,6 +349,7 @@ class Policy:
         metrics = {key: value / (config.ppo_epochs if key in ("loss", "pg_loss") else tokens)
                    for key, value in summed.items()}  # fmt: skip
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = sum(lrs) / len(lrs)
         metrics["tokens"] = counts["tokens"] * config.ppo_epochs
         metrics["sequences"] = counts["seqs"]
         metrics["skipped_update"] = 0
@@ -363,6 +365,14 @@ class Policy:
 
 class UpdateOutOfMemory(RuntimeError):
     """The update ran out of device memory twice; the message names the budget and the longest sequence."""
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate rises linearly over ``warmup_steps`` updates, then stays: update ``s`` (from 0) runs at
+    ``lr x min(1, (s + 1) / (warmup_steps + 1))``, so the first update moves the weights too (Hugging Face's
+    constant schedule with warmup spends it at 0). Why warm up: AdamW's first updates move every weight by about
+    ``lr`` whatever its gradient (docs/training.md, "Why a run collapses")."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
 
 
 def longest_of(samples: list[Sample]) -> int:
