@@ -37,7 +37,7 @@ TASKS = {
 def run_one(out: Path, task: str, lr: str, seed: int, steps: int | None, timeout: float) -> Path:
     """Train and evaluate one seed into ``out/TASK_LR_SEED``; kept where its evaluation exists."""
     name = out / f"{task}_{lr}_{seed}"
-    report = name.with_suffix(".eval.json")
+    report = out / f"{name.name}.eval.json"  # (not with_suffix: a rate such as 2.5e-4 holds a dot)
     if report.exists():
         return name
     task_args, eval_args = TASKS[task]
@@ -45,11 +45,11 @@ def run_one(out: Path, task: str, lr: str, seed: int, steps: int | None, timeout
              "--out", str(name), "--set", "checkpoint_every=0"]  # fmt: skip
     if steps:
         train += ["--steps", str(steps)]
-    log = name.with_suffix(".log").open("w")
-    subprocess.run(train, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=True)
     evaluate = ["rallyrl", "eval", "--model", str(name / "final"), *task_args, *eval_args, "--threads", "1",
                 "--no-progress", "--json", str(report)]  # fmt: skip
-    subprocess.run(evaluate, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=True)
+    with (out / f"{name.name}.log").open("w") as log:
+        for command in (train, evaluate):
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=True)
     return name
 
 

@@ -55,6 +55,9 @@ from data.synthetic import make_calc_records
 from tools.calculator import CalculatorTool
 
 REPO = Path(__file__).resolve().parent.parent
+RALLYRL_KEYS = {"sampled_tokens": "rollout/generated_tokens", "reward_mean": "rollout/reward_mean"}
+TRL_KEYS = {"sampled_tokens": "sampled_tokens", "reward_mean": "reward_mean"}
+"""Where each step line holds the figures a run keeps: rallyrl's metrics.jsonl, the runner's steps.jsonl."""
 TRL_PINS = (
     "trl==1.16.0",
     "torch==2.13.0",
@@ -148,24 +151,11 @@ class Benchmark:
         shutil.rmtree(directory, ignore_errors=True)
         run = Run(trainer, seed, lr, self.args.budget_cpu_s)
         self.console.print(f"[bold]{phase}[/]: {trainer}, seed {seed}, lr {lr:g}, budget {run.budget_cpu_s:g} CPU-s")
-        if trainer == "rallyrl":
-            run_budgeted(
-                run,
-                self.rallyrl_command(directory, seed, lr),
-                thread_env(self.args.threads),
-                directory,
-                "metrics.jsonl",
-                {"sampled_tokens": "rollout/generated_tokens", "reward_mean": "rollout/reward_mean"},
-            )
+        if trainer == "rallyrl":  # (its command, its step lines, and where each figure is in them)
+            command, lines, keys = self.rallyrl_command(directory, seed, lr), "metrics.jsonl", RALLYRL_KEYS
         else:
-            run_budgeted(
-                run,
-                self.trl_command(directory, seed, lr),
-                thread_env(self.args.threads),
-                directory,
-                "steps.jsonl",
-                {"sampled_tokens": "sampled_tokens", "reward_mean": "reward_mean"},
-            )
+            command, lines, keys = self.trl_command(directory, seed, lr), "steps.jsonl", TRL_KEYS
+        run_budgeted(run, command, thread_env(self.args.threads), directory, lines, keys)
         points = eval_points(run, self.args.eval_points)
         curve = [{"step": 0, "cpu_s": 0.0, **self.start}]
         for checkpoint in points:
