@@ -153,8 +153,10 @@ def test_train_broadcasts_weights_into_vllm_every_step_and_the_server_serves_the
     assert [s["sync/weight_version"] for s in steps] == [1, 2, 3]  # the version vLLM reported after each sync
     assert all(s["rollout/staleness_max"] == 0 for s in steps)  # every token: that step's version
     assert all(s["rollout/generated_tokens"] > 0 for s in steps)
-    # after each step its logprobs of a fixed prompt are the trainer's (the tied head's packed copy included)
-    assert all(s["sync/logprob_gap"] < 1e-5 for s in steps), [s["sync/logprob_gap"] for s in steps]
+    # after each step its logprobs of a fixed prompt are the trainer's (the tied head's packed copy included),
+    # to float32's agreement between vLLM's CPU kernels and torch (CI measured 1.1e-5, 1.7e-6, 8.0e-7; a
+    # missed sync: > 1e-3)
+    assert all(s["sync/logprob_gap"] < TOLERANCE for s in steps), [s["sync/logprob_gap"] for s in steps]
     assert not (out / "weights").exists()  # nothing went through disk
 
     trained = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
