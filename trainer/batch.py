@@ -149,6 +149,9 @@ class TrainBatch:
     positions: torch.Tensor
     targets: torch.Tensor
     slots: torch.Tensor
+    shared_prefix: int = 0
+    """Leading tokens every row holds and no row trains on (padded rows only): the model runs them once
+    and every row reads their keys and values; ``positions`` then index ``[R, N - shared_prefix]``."""
 
     def __len__(self) -> int:
         return self.loss_mask.shape[0]
@@ -158,8 +161,9 @@ class TrainBatch:
         return self.attention_mask is None
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        moved = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return TrainBatch(**{name: None if t is None else t.to(device) for name, t in moved.items()})
+        moved = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "shared_prefix"}
+        tensors = {name: None if t is None else t.to(device) for name, t in moved.items()}
+        return TrainBatch(**tensors, shared_prefix=self.shared_prefix)
 
     def unflatten(self, values: torch.Tensor) -> torch.Tensor:
         """Per-token ``values [M]`` (of the trained tokens) as ``[B, T - 1]``, 0 elsewhere."""
@@ -168,10 +172,13 @@ class TrainBatch:
         return out.index_put((self.slots,), values).view(rows, max(length - 1, 0))
 
 
-def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False) -> TrainBatch:
-    """``samples`` as a TrainBatch: right-padded rows, or with ``packed`` one row without padding."""
+def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False, share_prefix: bool = False) -> TrainBatch:
+    """``samples`` as a TrainBatch: right-padded rows, or with ``packed`` one row without padding.
+    ``share_prefix`` (padded rows): the leading tokens all rows hold and none trains on, when at least
+    ``MIN_SHARED_PREFIX``, become the batch's ``shared_prefix``."""
     length = max(len(s.input_ids) for s in samples)
     count = len(samples)
+    shared = shared_prefix_length(samples) if share_prefix and not packed else 0
     loss_mask = torch.zeros(count, length, dtype=torch.float32)
     engine_logprobs = torch.zeros(count, length, dtype=torch.float32)
     positions, targets, slots = [], [], []
@@ -181,7 +188,7 @@ def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False) -> Tra
         loss_mask[i, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         engine_logprobs[i, :n] = torch.tensor(sample.engine_logprobs)
         trained = [t for t in range(n - 1) if sample.loss_mask[t + 1]]  # t predicts t + 1
-        start = offset if packed else i * length
+        start = offset if packed else i * (length - shared) - shared  # (trained t >= shared: see below)
         positions += [start + t for t in trained]
         targets += [sample.input_ids[t + 1] for t in trained]
         slots += [i * (length - 1) + t for t in trained]
@@ -200,7 +207,28 @@ def collate(samples: list[Sample], pad_id: int = 0, packed: bool = False) -> Tra
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     positions, targets, slots = (torch.tensor(index, dtype=torch.long) for index in (positions, targets, slots))
     return TrainBatch(input_ids, attention_mask, position_ids, loss_mask, engine_logprobs, advantages,
-                      positions, targets, slots)  # fmt: skip
+                      positions, targets, slots, shared)  # fmt: skip
+
+
+MIN_SHARED_PREFIX = 32
+"""A micro-batch's rows share their leading tokens in the update when they are at least this many."""
+
+
+def shared_prefix_length(samples: list[Sample]) -> int:
+    """Tokens ``0..p-1`` every sample holds, none trained on and none predicting a trained token (the
+    model computes no hidden state for them, and token ``t`` predicts ``t + 1``): the prompt, or its
+    system part where the prompts differ; 0 when shorter than ``MIN_SHARED_PREFIX`` or one sample."""
+    if len(samples) < 2:
+        return 0
+    limit = min(len(s.input_ids) for s in samples) - 1
+    for sample in samples:
+        first_trained = next((t for t, m in enumerate(sample.loss_mask) if m), len(sample.loss_mask))
+        limit = min(limit, first_trained - 1)
+    first = samples[0].input_ids
+    p = 0
+    while p < limit and all(s.input_ids[p] == first[p] for s in samples):
+        p += 1
+    return p if p >= MIN_SHARED_PREFIX else 0
 
 
 def micro_batches(samples: list[Sample], size: int | None, max_tokens: int | None = None,

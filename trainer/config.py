@@ -166,6 +166,13 @@ class GRPOConfig(PromptsConfig):
     sequence). null: where the attention implementation reads packed sequences (flash_attention_2/3,
     flex_attention); sdpa and eager pad instead (packed, they would need a mask over the whole
     row). The result does not depend on it."""
+    share_prompt_prefix: bool = True
+    """In the update, run the leading tokens every sequence of a micro-batch holds (the prompt, or its
+    system part and tool schemas where the prompts differ; none trained) once, and let every sequence
+    read their keys and values: a group's 8 samples of one 450-token calc prompt cost one prompt, not
+    8. The logprobs and gradients are the same (float rounding aside). Off under gradient checkpointing
+    (recomputed layers cannot read a cache), FSDP (a sharded layer runs once per forward) and packing;
+    32 tokens at least."""
     logprob_chunk_tokens: int = 1024
     """Trained tokens per chunk through the LM head: one chunk's float32 logits (chunk x vocabulary
     x 4 bytes: 0.6 GB for Qwen2.5's 151,936) are the most that exists at a time, recomputed in

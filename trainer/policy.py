@@ -134,10 +134,12 @@ class Policy:
         """``[B, T - 1]`` logprobs of each trained token (0 elsewhere) under ``model`` (the policy by
         default) at the rollout temperature, and their entropy (no gradient) when asked."""
         temperature = self.config.rollout.temperature
+        shared = batch.shared_prefix  # (right padding needs no mask with a shared prefix: causal attention)
         logprobs, entropy = (model or self.model)(
-            batch.input_ids, batch.attention_mask, batch.position_ids, batch.positions, batch.targets,
-            temperature=temperature if temperature > 0 else 1.0, chunk_tokens=self.config.logprob_chunk_tokens,
-            with_entropy=with_entropy,
+            batch.input_ids, None if shared else batch.attention_mask, batch.position_ids, batch.positions,
+            batch.targets, temperature=temperature if temperature > 0 else 1.0,
+            chunk_tokens=self.config.logprob_chunk_tokens, with_entropy=with_entropy,
+            **({"shared_prefix": shared} if shared else {}),
         )  # fmt: skip
         return batch.unflatten(logprobs), None if entropy is None else batch.unflatten(entropy)
 
@@ -195,7 +197,11 @@ class Policy:
         config = self.config
         budget = self.micro_batch_tokens if max_tokens is None else max_tokens
         chunks = micro_batches(samples, config.micro_batch_size, budget, packed=self.packing)
-        return [collate(chunk, self.pad_id, packed=self.packing).to(self.accelerator.device) for chunk in chunks]
+        # rows run in full where layers run again (checkpointing: they cannot read a prefix's cache) or
+        # may run only once per forward (FSDP frees a layer's gathered weights after its backward)
+        share = config.share_prompt_prefix and not self.checkpointing and not self.sharded
+        return [collate(chunk, self.pad_id, packed=self.packing, share_prefix=share).to(self.accelerator.device)
+                for chunk in chunks]  # fmt: skip
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """ppo_epochs optimizer steps over ``samples``, with the metrics of the micro-batch budget and the
