@@ -95,6 +95,7 @@ def main() -> None:
             requests = calc_trajectories(trainer, count, seed=count)
             samples = [trajectory_sample(r, 1.0 if r.rewards.final else -1.0) for r in requests]
             tokens = sum(len(s.input_ids) for s in samples)
+            trainer.policy.config = dataclasses.replace(trainer.policy.config, share_prompt_prefix=True)
             shared = [b.shared_prefix for b in trainer.policy.batches(samples)]
             trainer.update(samples)  # warm-up
             seconds = timed_updates(trainer, samples, args.repeats)
