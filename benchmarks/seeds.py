@@ -1,8 +1,8 @@
 """Seeds: does `rallyrl train` hold across seeds and at twice its learning rate? The table of
 docs/training.md ("Seeds").
 
-    python -m benchmarks.seeds --task calc --lrs 2e-4 4e-4 --seeds 1 2 3 4 5       # 20 runs of 40 steps
-    python -m benchmarks.seeds --task rg --lrs 4e-4 --steps 20 --parallel 2
+    python -m benchmarks.seeds --task calc --lrs 1e-4 2e-4 --seeds 1 2 3 4 5       # 10 runs of 40 steps
+    python -m benchmarks.seeds --task rg --lrs 1e-4 2e-4 --steps 12 --parallel 2
     python -m benchmarks.seeds --summarize runs/seeds                               # the table of runs made
 
 Each run is the real command, in a process of its own (one torch thread): ``rallyrl train --seed S --lr L``
@@ -94,7 +94,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="calc")
-    parser.add_argument("--lrs", nargs="+", default=["2e-4", "4e-4"], help="learning rates (as rallyrl reads them)")
+    parser.add_argument("--lrs", nargs="+", default=["1e-4", "2e-4"], help="learning rates (as rallyrl reads them)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--steps", type=int, help="default: rallyrl train's")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (one thread each)")

@@ -111,7 +111,7 @@ def test_mlflow_file_store_under_the_run_holds_each_steps_metrics(run, monkeypat
     out, metrics, _ = run
     client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
     (found,) = client.search_runs([client.get_experiment_by_name("rallyrl").experiment_id])
-    assert found.info.run_name == "run" and found.data.params["lr"] == "0.0002"
+    assert found.info.run_name == "run" and found.data.params["lr"] == "0.0001"
     for key in KEYS:
         history = client.get_metric_history(found.info.run_id, key)
         assert [(m.step, m.value) for m in history] == expected(metrics, key)
