@@ -14,7 +14,9 @@ steps are numbered across the pieces in order, as its tool calls' turns are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -214,7 +216,14 @@ MIN_SHARED_PREFIX = 32
 """A micro-batch's rows share their leading tokens in the update when they are at least this many."""
 
 
-def shared_prefix_length(samples: list[Sample]) -> int:
+class Masked(Protocol):
+    """A training sequence: a ``Sample``, or an SFT example (``trainer/sft_data.py``)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def shared_prefix_length(samples: Sequence[Masked]) -> int:
     """Tokens ``0..p-1`` every sample holds, none trained on and none predicting a trained token (the
     model computes no hidden state for them, and token ``t`` predicts ``t + 1``): the prompt, or its
     system part where the prompts differ; 0 when shorter than ``MIN_SHARED_PREFIX`` or one sample."""

@@ -25,6 +25,7 @@ from rollout.api import setup_tools
 from rollout.request import validate_trajectory
 from rollout.tokens import ChatTokenizer
 from tools.base import BaseTool
+from trainer.batch import shared_prefix_length
 from trainer.config import SFTConfig
 
 
@@ -152,33 +153,16 @@ class Batch:
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.shared_prefix)
 
 
-def collate(examples: list[Example], pad_token_id: int, min_shared_prefix: int = 32) -> Batch:
-    """Pad on the right; find the prefix all rows share (the system prompt, for calc traces)."""
+def collate(examples: list[Example], pad_token_id: int) -> Batch:
+    """Pad on the right; find the prefix all rows share (the system prompt, for calc traces), as the
+    GRPO update does (``trainer.batch.shared_prefix_length``)."""
     length = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
     for row, example in enumerate(examples):
         input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
         loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
-    shared = shared_prefix_length(examples)
-    return Batch(input_ids, loss_mask, shared if shared >= min_shared_prefix and len(examples) > 1 else 0)
-
-
-def shared_prefix_length(examples: list[Example]) -> int:
-    """Tokens ``0..p-1`` all rows share, with no row trained on any token ``1..p``.
-
-    Logits at positions below ``p`` predict tokens ``1..p``, so a prefix computed apart (with
-    no logits kept) must end before every row's first trained token.
-    """
-    first = examples[0].input_ids
-    limit = min(len(e.input_ids) for e in examples) - 1
-    for e in examples:
-        trained = [i for i, m in enumerate(e.loss_mask) if m]
-        limit = min(limit, (trained[0] if trained else len(e.loss_mask)) - 1)
-    p = 0
-    while p < limit and all(e.input_ids[p] == first[p] for e in examples):
-        p += 1
-    return max(p, 0)
+    return Batch(input_ids, loss_mask, shared_prefix_length(examples))
 
 
 
